@@ -1,0 +1,172 @@
+"""The `batchgen` command line: the only module that knows click.
+
+Core modules raise plain exceptions; this one turns them into one-line
+messages on stderr and exit codes (0 ok, 1 some jobs failed, 2 unusable input
+or options, 130 interrupted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+import orjson
+
+# Quiet the tokenizer library's advice about missing deep-learning frameworks.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from . import __version__  # noqa: E402
+from .config import (  # noqa: E402
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PLD_MAX_LOOKUP,
+    DEFAULT_PLD_NGRAM_SIZE,
+    DEMO_MODEL_DIR,
+    DRAFT_KINDS,
+    KV_BITS,
+    KV_CACHE_KINDS,
+    DecodeConfig,
+    EngineConfig,
+    KVConfig,
+    PromptCacheConfig,
+    RunConfig,
+)
+from .jobs import JobFileError, scan_jobs  # noqa: E402
+
+
+def _setup_logging(quiet: bool) -> None:
+    log = logging.getLogger("batchgen")
+    log.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("batchgen: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.propagate = False
+
+
+def _fail(message: str, code: int = 2):
+    click.echo(f"batchgen: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _parse_bytes(text: str | None) -> int | None:
+    """'2GB', '512MiB', '1e9' -> bytes."""
+    if text is None:
+        return None
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num) :]
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise click.BadParameter(f"not a size: {text!r} (try 2GB or 512MiB)") from None
+    if value <= 0:
+        raise click.BadParameter("must be positive")
+    return int(value)
+
+
+@click.group()
+@click.version_option(__version__, prog_name="batchgen")
+def main():
+    """Offline batch generation for MLX language models."""
+
+
+@main.command()
+@click.argument("jobs", type=str)
+@click.option("-o", "--output", default=None, help="Output JSONL (default outputs/<stem>.jsonl; - for stdout).")
+@click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id (env BATCHGEN_MODEL; default: the bundled demo model).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True, help="For jobs without max_tokens.")
+@click.option("--seed", type=int, default=None, help="For jobs without a seed.")
+@click.option("--draft", type=click.Choice(DRAFT_KINDS), default="pld", show_default=True, help="Prompt-lookup drafting or plain decoding.")
+@click.option("--pld-ngram-size", type=click.IntRange(min=1), default=DEFAULT_PLD_NGRAM_SIZE, show_default=True)
+@click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True, help="Most draft tokens per verify pass.")
+@click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None, help="Pad verify passes to a fixed length (default: on a GPU).")
+@click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS), default="fp16", show_default=True, help="fp16 = uncompressed, in the model's dtype.")
+@click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True, help="TurboQuant bits per coordinate.")
+@click.option("--no-fuse", is_flag=True, help="Keep separate q/k/v and gate/up projections.")
+@click.option("--no-prewarm", is_flag=True, help="Do not prefill the shared system prompt before the first job.")
+@click.option("--no-prompt-cache", is_flag=True, help="No prompt-cache pool (every prompt prefilled in full).")
+@click.option("--prompt-cache-bytes", default=None, help="Pool byte budget, e.g. 4GB (default: a tenth of memory).")
+@click.option("--prompt-cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save/load the prewarmed cache here.")
+@click.option("--prewarm-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="System prompt to prewarm when the file has none.")
+@click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the run summary JSON here.")
+@click.option("--retry-failed", is_flag=True, help="On resume, run again the jobs whose earlier line is an error.")
+@click.option("--no-fsync", is_flag=True, help="Flush each line but skip fsync.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
+def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
+        kv_cache, kv_bits, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
+        prewarm_file, summary_path, retry_failed, no_fsync, quiet):  # fmt: skip
+    """Generate a result line for every job in JOBS (a JSONL file, or - for stdin)."""
+    _setup_logging(quiet)
+    from .runner import RunError, default_output, run_jobs, spool_stdin
+
+    engine = EngineConfig(
+        model=model or str(DEMO_MODEL_DIR),
+        fuse=not no_fuse,
+        decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes),
+        kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
+        prompt_cache=PromptCacheConfig(
+            enabled=not no_prompt_cache,
+            prewarm=not no_prewarm,
+            max_bytes=_parse_bytes(prompt_cache_bytes),
+            cache_dir=prompt_cache_dir,
+            prewarm_file=prewarm_file,
+        ),
+    )
+    cfg = RunConfig(
+        jobs_path=jobs,
+        output_path=output or default_output(jobs),
+        engine=engine,
+        default_max_tokens=max_tokens,
+        default_seed=seed,
+        summary_path=summary_path,
+        quiet=quiet,
+        fsync=not no_fsync,
+        retry_failed=retry_failed,
+    )
+    if jobs != "-" and not Path(jobs).is_file():
+        _fail(f"cannot read job file {jobs}: no such file")
+    jobs_path = spool_stdin() if jobs == "-" else Path(jobs)
+    progress = not quiet and sys.stderr.isatty()
+    try:
+        outcome = run_jobs(cfg, jobs_path, progress)
+    except RunError as e:
+        _fail(str(e))
+    finally:
+        if jobs == "-":
+            jobs_path.unlink(missing_ok=True)
+    summary = outcome.summary
+    if summary_path is not None:
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_bytes(orjson.dumps(summary.as_dict(), option=orjson.OPT_INDENT_2) + b"\n")
+    if not quiet:
+        for line in summary.lines():
+            click.echo(f"batchgen: {line}", err=True)
+    sys.exit(outcome.exit_code)
+
+
+@main.command()
+@click.argument("jobs", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True)
+def validate(jobs, max_tokens):
+    """Check JOBS without loading a model: exit 0 valid, 1 some jobs invalid, 2 unusable."""
+    from .runner import spool_stdin
+
+    path = spool_stdin() if jobs == "-" else Path(jobs)
+    bad = []
+    try:
+        scan, _ = scan_jobs(path, max_tokens, None, on_bad=bad.append)
+    except JobFileError as e:
+        _fail(str(e))
+    finally:
+        if jobs == "-":
+            path.unlink(missing_ok=True)
+    for b in bad:
+        click.echo(f"line {b.line}: job {b.id!r}: {b.kind}: {b.message}")
+    fmt = "openai batch" if scan.format != "native" else "native"
+    click.echo(f"{scan.jobs} jobs ({fmt}), {scan.jobs - scan.bad} valid, {scan.bad} invalid", err=True)
+    sys.exit(1 if bad else 0)

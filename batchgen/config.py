@@ -1,0 +1,90 @@
+"""Frozen configuration, built once at the CLI edge and passed down.
+
+Nothing here imports mlx: the job reader and `batchgen validate` run without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_PLD_NGRAM_SIZE = 3
+DEFAULT_PLD_MAX_LOOKUP = 5
+DRAFT_KINDS = ("pld", "none")
+KV_CACHE_KINDS = ("fp16", "turboquant")
+KV_BITS = (2, 3, 4)
+DEFAULT_KV_BITS = 4
+
+# The bundled demo model: the default when neither --model nor BATCHGEN_MODEL is set.
+DEMO_MODEL_DIR = Path(__file__).parent / "demo"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How one job picks tokens; temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Which decoder runs a job: plain or prompt-lookup drafting."""
+
+    draft: str = "pld"
+    pld_ngram_size: int = DEFAULT_PLD_NGRAM_SIZE
+    pld_max_lookup: int = DEFAULT_PLD_MAX_LOOKUP
+    # Pad verify passes to a fixed length (None: on where the device is a GPU).
+    pld_static_shapes: bool | None = None
+    # Verify a draft only where the measured acceptance and pass costs say it
+    # pays; off: verify every draft found (parity tests, ablations).
+    pld_adaptive: bool = True
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """The KV cache kind: `fp16` is uncompressed, in the model's dtype."""
+
+    kind: str = "fp16"
+    bits: int = DEFAULT_KV_BITS
+
+
+@dataclass(frozen=True)
+class PromptCacheConfig:
+    enabled: bool = True
+    prewarm: bool = True
+    max_bytes: int | None = None  # None: a share of the machine's memory
+    cache_dir: Path | None = None
+    prewarm_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    fuse: bool = True
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
+    batch_size: int = 1
+    prefill_step_size: int = 2048
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    jobs_path: str  # a path, or "-" for stdin
+    output_path: str  # a path, or "-" for stdout
+    engine: EngineConfig
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_seed: int | None = None
+    summary_path: Path | None = None
+    quiet: bool = False
+    fsync: bool = True
+    retry_failed: bool = False

@@ -1,0 +1,440 @@
+"""The engine: load a model once, make it fast, and turn jobs into results.
+
+Per job: chat template -> prompt tokens -> prompt-pool lookup (LCP) -> prefill
+of the uncached rest -> a token stream from the chosen decoder (plain or
+prompt-lookup) over the chosen KV cache -> detokenize, stop strings, finish
+reason, stats. `Engine.run_all` is the scheduler over the job stream;
+sequential decoding is its batch size 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import pld
+from .config import DecodeConfig, EngineConfig, KVConfig
+from .jobs import BadJob, Job
+from .prompt_cache import (
+    PromptPool,
+    cache_nbytes,
+    clone_cache,
+    default_pool_bytes,
+    load_prewarm,
+    prewarm_key,
+    prewarm_prefix,
+    save_prewarm,
+)
+from .sampling import job_seed, make_keys, pick
+from .stats import JobFailure, JobStats, Result, Timer, Usage
+
+log = logging.getLogger("batchgen")
+
+# A stream of our own for generation, as mlx-lm does, so async evaluation of
+# the next step overlaps the host's work on the current token.
+generation_stream = mx.new_thread_local_stream(mx.default_device())
+
+
+class ModelLoadError(Exception):
+    """The model could not be loaded (exit code 2)."""
+
+
+class JobRunError(Exception):
+    """A job cannot run on this model; `kind` goes to its error line."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def load_model(spec: str):
+    """`mlx_lm.load` with one clear error for a missing or broken model."""
+    from mlx_lm import load
+
+    path = Path(spec).expanduser()
+    if not path.exists() and not _HUB_ID.match(spec):
+        raise ModelLoadError(f"model not found: {spec} (no such directory, and not a hub id)")
+    try:
+        model, tokenizer, config = load(str(path) if path.exists() else spec, return_config=True)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load model {spec}: {reason}") from None
+    return model, tokenizer, config
+
+
+def model_digest(spec: str, config: dict, fused: bool) -> str:
+    """Identity of the model + tokenizer + template, for persisted prompt caches.
+
+    Weight files are fingerprinted by size and their first and last MiB, which
+    tells apart any two real checkpoints without reading gigabytes.
+    """
+    h = hashlib.sha256(repr(sorted(config.items())).encode())
+    h.update(b"fused" if fused else b"unfused")
+    path = Path(spec).expanduser()
+    if not path.exists():
+        h.update(spec.encode())
+        return h.hexdigest()
+    for f in sorted(path.iterdir()):
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                size = f.stat().st_size
+                h.update(str(size).encode() + fh.read(1 << 20))
+                fh.seek(max(size - (1 << 20), 0))
+                h.update(fh.read(1 << 20))
+        elif f.suffix in (".json", ".jinja", ".model", ".tiktoken") and f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def context_length(config: dict) -> int | None:
+    cfg = config.get("text_config", config)
+    return cfg.get("max_position_embeddings") or config.get("max_position_embeddings")
+
+
+def device_name() -> str:
+    info = mx.device_info()
+    name = info.get("device_name") or info.get("architecture") or ""
+    return f"{mx.default_device().type.name}: {name}".strip()
+
+
+# ---------------------------------------------------------------------------
+# Text: detokenize, stop strings, EOS, max_tokens
+
+
+class TextAssembler:
+    """Consumes generated tokens one at a time and decides when a job ends.
+
+    `completion_tokens` counts every token the model produced, EOS included;
+    the text excludes EOS and ends before the first stop string.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], max_tokens: int):
+        self._detok = tokenizer.detokenizer
+        self._eos = set(tokenizer.eos_token_ids)
+        self._stop = stop
+        self._max_stop = max((len(s) for s in stop), default=0)
+        self._scan_from = 0
+        self._cut = None
+        self.max_tokens = max_tokens
+        self.completion_tokens = 0
+        self.finish_reason = None
+
+    def add(self, token: int) -> bool:
+        """True once the job is finished (the token is counted either way)."""
+        self.completion_tokens += 1
+        if token in self._eos:
+            self.finish_reason = "stop"
+            return True
+        self._detok.add_token(token)
+        if self._stop and self._find_stop(self._detok.text):
+            self.finish_reason = "stop"
+            return True
+        if self.completion_tokens >= self.max_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def _find_stop(self, text: str) -> bool:
+        # Only the new text, plus enough before it to catch a straddling stop.
+        start = max(0, self._scan_from - self._max_stop + 1)
+        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+        self._scan_from = len(text)
+        if hits:
+            self._cut = min(hits)
+        return bool(hits)
+
+    def text(self) -> str:
+        self._detok.finalize()
+        text = self._detok.text
+        if self._cut is None and self._stop and self._find_stop(text):
+            self.finish_reason = "stop"  # completed by bytes flushed only at the end
+        return text if self._cut is None else text[: self._cut]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.completion_tokens
+
+
+# ---------------------------------------------------------------------------
+# Decoding pieces shared by the decoders
+
+
+def prefill(model: nn.Module, cache: list, tokens: list[int], step_size: int) -> None:
+    """Run `tokens` through the model into `cache`, in chunks, as mlx-lm does."""
+    with mx.stream(generation_stream):
+        for start in range(0, len(tokens), step_size):
+            chunk = mx.array(tokens[start : start + step_size])[None]
+            model(chunk, cache=cache)
+            mx.eval([c.state for c in cache])
+            mx.clear_cache()
+
+
+def plain_tokens(model, cache, tail: int, sampling, keys, stats: JobStats) -> Iterator[int]:
+    """Plain decoding: one forward pass per token, the next pass queued
+    (`async_eval`) before the current token is read back."""
+    t = 0
+
+    def step(y: mx.array) -> mx.array:
+        nonlocal t
+        logits = model(y[None], cache=cache)[:, -1, :]
+        token = pick(logits, sampling, None if sampling.greedy else keys[t])
+        t += 1
+        stats.forward_passes += 1
+        return token
+
+    with mx.stream(generation_stream):
+        y = step(mx.array([tail]))
+        mx.async_eval(y)
+        while True:
+            next_y = step(y)
+            mx.async_eval(next_y)
+            yield y.item()
+            y = next_y
+
+
+# ---------------------------------------------------------------------------
+# The engine
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What the run's settings and the job's overrides resolve to."""
+
+    decode: DecodeConfig
+    kv: KVConfig
+
+    @property
+    def kv_kind(self) -> str:
+        return "fp16" if self.kv.kind == "fp16" else f"turboquant-{self.kv.bits}"
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig, model_config: dict):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_config = model_config
+        self.context_length = context_length(model_config)
+        self.fusion_report = None
+        self.load_s = 0.0
+        self.model_memory_gb = 0.0
+        self._digest = None
+        pc = config.prompt_cache
+        self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
+        self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
+        self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
+        static = config.decode.pld_static_shapes
+        self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "Engine":
+        timer = Timer()
+        model, tokenizer, model_config = load_model(config.model)
+        engine = cls(model, tokenizer, config, model_config)
+        if config.fuse:
+            from .fusion import fuse_model
+
+            engine.fusion_report = fuse_model(model)
+        mx.clear_cache()
+        engine.model_memory_gb = mx.get_active_memory() / 1e9
+        engine.load_s = timer.elapsed_s
+        return engine
+
+    @property
+    def digest(self) -> str:
+        if self._digest is None:
+            self._digest = model_digest(self.config.model, self.model_config, self.config.fuse)
+        return self._digest
+
+    # -- prompts ----------------------------------------------------------
+
+    def prompt_tokens(self, job: Job) -> list[int]:
+        if job.prompt is not None:
+            bos = self.tokenizer.bos_token
+            add_special = bos is None or not job.prompt.startswith(bos)
+            return self.tokenizer.encode(job.prompt, add_special_tokens=add_special)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise JobRunError("no_chat_template", "the model's tokenizer has no chat template; use 'prompt' instead of 'messages'")
+        return self._render(list(job.messages))
+
+    def _render(self, messages: list) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def plan(self, job: Job) -> JobPlan:
+        d, k = self.config.decode, self.config.kv
+        decode = DecodeConfig(
+            draft=job.draft or d.draft,
+            pld_ngram_size=job.pld_ngram_size or d.pld_ngram_size,
+            pld_max_lookup=d.pld_max_lookup if job.pld_max_lookup is None else job.pld_max_lookup,
+        )
+        kv = KVConfig(kind=job.kv_cache or k.kind, bits=job.kv_bits or k.bits)
+        return JobPlan(decode, kv)
+
+    def make_cache(self, kv: KVConfig) -> list:
+        if kv.kind == "turboquant":
+            from .turboquant import make_turboquant_cache
+
+            return make_turboquant_cache(self.model, bits=kv.bits)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    # -- prewarm ----------------------------------------------------------
+
+    def prewarm(self, system: str, source: str) -> dict:
+        """Prefill the shared system prompt's token prefix into a pinned slot."""
+        if self.pool is None or not system:
+            return self.prewarm_info
+        timer = Timer()
+        kv = self.config.kv
+        kind = JobPlan(self.config.decode, kv).kv_kind
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            log.info("prewarm skipped: the tokenizer has no chat template")
+            return self.prewarm_info
+        tokens = prewarm_prefix(
+            lambda user: self._render([{"role": "system", "content": system}, {"role": "user", "content": user}])
+        )
+        cache, loaded = self._prewarm_cache(tokens, kind, kv)
+        self.pool.insert(tokens, cache, kind, pinned=True)
+        self.prewarm_info = {
+            "tokens": len(tokens),
+            "seconds": round(timer.elapsed_s, 4),
+            "source": source,
+            "loaded": loaded,
+        }
+        how = "loaded from disk" if loaded else "prefilled"
+        log.info(f"prewarm: {len(tokens)} tokens of the {source} system prompt {how} in {timer.elapsed_s:.3f}s")
+        return self.prewarm_info
+
+    def _prewarm_cache(self, tokens: list[int], kind: str, kv: KVConfig) -> tuple[list, bool]:
+        cache_dir = self.config.prompt_cache.cache_dir
+        path = key = None
+        if cache_dir is not None:
+            key = prewarm_key(self.digest, kind, tokens)
+            path = Path(cache_dir) / f"prewarm-{key}.safetensors"
+            cache = load_prewarm(path, key, tokens, self._cache_classes())
+            if cache is not None:
+                return cache, True
+        cache = self.make_cache(kv)
+        prefill(self.model, cache, tokens, self.config.prefill_step_size)
+        if path is not None:
+            save_prewarm(path, cache, tokens, key)
+        return cache, False
+
+    def _cache_classes(self) -> dict:
+        try:
+            from . import turboquant
+        except ImportError:
+            return {}
+        return {name: getattr(turboquant, name) for name in getattr(turboquant, "CACHE_CLASSES", ())}
+
+    # -- jobs -------------------------------------------------------------
+
+    def run_all(self, items: Iterable[Job | BadJob]) -> Iterator[Result]:
+        """Results in completion order (sequential: job order)."""
+        for item in items:
+            if isinstance(item, BadJob):
+                yield failed_result(item, item.kind, item.message, item.metadata)
+            else:
+                yield self.run(item)
+
+    def run(self, job: Job) -> Result:
+        try:
+            return self._run(job)
+        except JobRunError as e:
+            return failed_result(job, e.kind, str(e), job.metadata)
+        except Exception as e:
+            return failed_result(job, "generation_error", f"{type(e).__name__}: {e}", job.metadata)
+
+    def _run(self, job: Job) -> Result:
+        timer = Timer()
+        mx.reset_peak_memory()
+        tokens = self.prompt_tokens(job)
+        if self.context_length and len(tokens) > self.context_length:
+            raise JobRunError("prompt_too_long", f"prompt has {len(tokens)} tokens; the model's context is {self.context_length}")
+        if not tokens:
+            raise JobRunError("empty_prompt", "the prompt has no tokens")
+        plan = self.plan(job)
+        stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind)
+        cache, cached = self._cache_for(tokens, plan)
+        prefill(self.model, cache, tokens[cached:-1], self.config.prefill_step_size)
+        if self.pool is not None and cached < len(tokens) - 1:
+            self.pool.insert(tokens[:-1], clone_cache(cache), plan.kv_kind)
+        text = TextAssembler(self.tokenizer, job.stop, job.max_tokens)
+        n_keys = job.max_tokens + plan.decode.pld_max_lookup + 2
+        keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), n_keys)
+        stream = self._decoder(plan, cache, tokens, job, keys, stats, text)
+        first_token_at = None
+        for token in stream:
+            if first_token_at is None:
+                first_token_at = timer.elapsed_s
+            if text.add(token):
+                break
+        stream.close()
+        done_at = timer.elapsed_s
+        stats.prefill_s = first_token_at
+        stats.decode_s = done_at - first_token_at
+        prefilled = len(tokens) - cached
+        stats.prompt_tps = prefilled / stats.prefill_s if stats.prefill_s > 0 else 0.0
+        after_first = text.completion_tokens - 1
+        stats.decode_tps = after_first / stats.decode_s if stats.decode_s > 0 and after_first > 0 else 0.0
+        stats.cache_hit_ratio = cached / len(tokens)
+        stats.kv_bytes = cache_nbytes(cache)
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        return Result(
+            id=job.id,
+            line=job.line,
+            format=job.format,
+            text=text.text(),
+            finish_reason=text.finish_reason,
+            usage=Usage(len(tokens), text.completion_tokens, cached),
+            stats=stats,
+            metadata=job.metadata,
+            model_name=job.model_name,
+        )
+
+    def _cache_for(self, tokens: list[int], plan: JobPlan) -> tuple[list, int]:
+        if self.pool is not None:
+            hit = self.pool.fetch(tokens, plan.kv_kind)
+            if hit.cache is not None:
+                return hit.cache, hit.cached_tokens
+        return self.make_cache(plan.kv), 0
+
+    def _decoder(self, plan: JobPlan, cache, tokens, job: Job, keys, stats, text) -> Iterator[int]:
+        d = plan.decode
+        if d.draft == "pld" and d.pld_max_lookup > 0:
+            # Static verify shapes where a pass costs the same for 2..K+1 tokens
+            # (a GPU); on a CPU a pass costs in proportion to its tokens.
+            pad_to = d.pld_max_lookup + 1 if self.static_verify_shapes else None
+            return pld.pld_tokens(
+                self.model, cache, tokens, job.sampling, keys, d, stats,
+                remaining=lambda: text.remaining, policy=self.draft_policy,
+                pad_to=pad_to, stream=generation_stream,
+            )  # fmt: skip
+        return plain_tokens(self.model, cache, tokens[-1], job.sampling, keys, stats)
+
+
+def failed_result(item, kind: str, message: str, metadata=None) -> Result:
+    return Result(
+        id=item.id,
+        line=item.line,
+        format=item.format,
+        metadata=metadata,
+        error=JobFailure(type=kind, message=message, line=item.line),
+        model_name=getattr(item, "model_name", None),
+    )

@@ -1,0 +1,520 @@
+"""Reading and validating job files (native and OpenAI Batch JSONL).
+
+A job file is read twice, both times lazily: `scan_jobs` checks the whole file
+(ids, header, shared system prompt) before any model loads, then `iter_jobs`
+streams the jobs to the engine. Only ids and small counters are held, so a
+file of any length streams in constant memory.
+
+A bad line is not fatal: it becomes a `BadJob` carrying its line number and
+reason, and the run writes an error line for it. Only problems with the file
+as a whole (unreadable, bad header, duplicate ids) raise `JobFileError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import orjson
+
+from .config import DRAFT_KINDS, KV_BITS, KV_CACHE_KINDS, SamplingConfig
+
+NATIVE, CHAT, COMPLETION = "native", "chat", "completion"
+OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class JobFileError(Exception):
+    """The job file as a whole cannot be used (exit code 2)."""
+
+
+class InvalidJob(ValueError):
+    """One job line is invalid; `kind` is the error type written to its result."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Header:
+    system: str | None = None
+    defaults: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    line: int
+    format: str  # NATIVE, CHAT or COMPLETION
+    messages: tuple | None  # ({"role", "content"}, ...) for chat jobs
+    prompt: str | None  # raw text, no template
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: tuple[str, ...] = ()
+    metadata: Any = None
+    # Per-job technique overrides; None means "the run's setting".
+    draft: str | None = None
+    pld_ngram_size: int | None = None
+    pld_max_lookup: int | None = None
+    kv_cache: str | None = None
+    kv_bits: int | None = None
+    model_name: str | None = None  # OpenAI body's "model", echoed back
+
+
+@dataclass(frozen=True)
+class BadJob:
+    """A line that could not become a job; the run writes an error line for it."""
+
+    id: str
+    line: int
+    format: str
+    kind: str
+    message: str
+    metadata: Any = None
+
+
+# ---------------------------------------------------------------------------
+# Field validation: one small checker per key, shared by both formats.
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float))) and not isinstance(v, bool)
+
+
+def _check(ok: bool, key: str, want: str, value) -> None:
+    if not ok:
+        raise InvalidJob("invalid_value", f"'{key}' must be {want}, got {value!r}")
+
+
+def _max_tokens(key, v):
+    _check(_is_int(v) and v > 0, key, "a positive integer", v)
+    return v
+
+
+def _temperature(key, v):
+    _check(_is_number(v) and v >= 0, key, "a number >= 0", v)
+    return float(v)
+
+
+def _top_p(key, v):
+    _check(_is_number(v) and 0 < v <= 1, key, "a number in (0, 1]", v)
+    return float(v)
+
+
+def _min_p(key, v):
+    _check(_is_number(v) and 0 <= v <= 1, key, "a number in [0, 1]", v)
+    return float(v)
+
+
+def _non_negative_int(key, v):
+    _check(_is_int(v) and v >= 0, key, "an integer >= 0", v)
+    return v
+
+
+def _positive_int(key, v):
+    _check(_is_int(v) and v > 0, key, "a positive integer", v)
+    return v
+
+
+def _seed(key, v):
+    _check(_is_int(v), key, "an integer", v)
+    return v
+
+
+def _stop(key, v):
+    if isinstance(v, str):
+        v = [v]
+    _check(
+        isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+        key,
+        "a non-empty string or a list of them",
+        v,
+    )
+    return tuple(v)
+
+
+def _choice(options):
+    def check(key, v):
+        _check(v in options, key, "one of " + ", ".join(map(repr, options)), v)
+        return v
+
+    return check
+
+
+def _any(key, v):
+    return v
+
+
+# key -> checker; the same names and meanings in native jobs, header defaults
+# and OpenAI bodies (where they exist there).
+FIELD_CHECKS = {
+    "max_tokens": _max_tokens,
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "top_k": _non_negative_int,
+    "min_p": _min_p,
+    "seed": _seed,
+    "stop": _stop,
+    "metadata": _any,
+    "draft": _choice(DRAFT_KINDS),
+    "pld_ngram_size": _positive_int,
+    "pld_max_lookup": _non_negative_int,
+    "kv_cache": _choice(KV_CACHE_KINDS),
+    "kv_bits": _choice(KV_BITS),
+}
+NATIVE_KEYS = {"id", "messages", "prompt", *FIELD_CHECKS}
+DEFAULT_KEYS = set(FIELD_CHECKS) - {"metadata"}
+CHAT_BODY_KEYS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "seed", "stop", "n", "user", "metadata",
+}  # fmt: skip
+COMPLETION_BODY_KEYS = {
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "n", "user", "metadata",
+}  # fmt: skip
+
+
+def _reject_unknown(obj: dict, allowed: set, where: str = "") -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        names = ", ".join(repr(where + k) for k in unknown)
+        raise InvalidJob("unknown_key", f"unknown key {names}")
+
+
+def _content_text(content, index: int) -> str:
+    """A message's content: a string, or OpenAI-style text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise InvalidJob(
+        "invalid_value",
+        f"messages[{index}].content must be a string or a list of text parts",
+    )
+
+
+def _messages(v) -> tuple:
+    if not isinstance(v, list) or not v:
+        raise InvalidJob("invalid_job", "'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise InvalidJob("invalid_job", f"messages[{i}] must be an object")
+        _reject_unknown(m, {"role", "content", "name"}, f"messages[{i}].")
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidJob(
+                "invalid_job",
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}",
+            )
+        if "content" not in m:
+            raise InvalidJob("invalid_job", f"messages[{i}] has no 'content'")
+        out.append({"role": role, "content": _content_text(m["content"], i)})
+    return tuple(out)
+
+
+def _prompt(v) -> str:
+    if not isinstance(v, str) or not v:
+        raise InvalidJob("invalid_value", "'prompt' must be a non-empty string")
+    return v
+
+
+def _with_system(messages: tuple, system: str | None) -> tuple:
+    if system is None or any(m["role"] == "system" for m in messages):
+        return messages
+    return ({"role": "system", "content": system},) + messages
+
+
+def _settings(obj: dict, defaults: dict) -> dict:
+    """Validated per-job settings: the job's own value, else the defaults'."""
+    out = {}
+    for key, check in FIELD_CHECKS.items():
+        if key in obj:
+            out[key] = check(key, obj[key])
+        elif key in defaults:
+            out[key] = defaults[key]
+    return out
+
+
+def _job(job_id, line, fmt, messages, prompt, s: dict, defaults: "Defaults", model=None):
+    sampling = SamplingConfig(
+        temperature=s.get("temperature", 0.0),
+        top_p=s.get("top_p", 1.0),
+        top_k=s.get("top_k", 0),
+        min_p=s.get("min_p", 0.0),
+        seed=s.get("seed", defaults.seed),
+    )
+    return Job(
+        id=job_id,
+        line=line,
+        format=fmt,
+        messages=messages,
+        prompt=prompt,
+        max_tokens=s.get("max_tokens", defaults.max_tokens),
+        sampling=sampling,
+        stop=s.get("stop", ()),
+        metadata=s.get("metadata"),
+        draft=s.get("draft"),
+        pld_ngram_size=s.get("pld_ngram_size"),
+        pld_max_lookup=s.get("pld_max_lookup"),
+        kv_cache=s.get("kv_cache"),
+        kv_bits=s.get("kv_bits"),
+        model_name=model,
+    )
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a job gets for keys it leaves out: header defaults over CLI ones."""
+
+    header: Header
+    max_tokens: int
+    seed: int | None
+
+
+def _native_job(obj: dict, line: int, d: Defaults) -> Job:
+    job_id = _job_id(obj, line)
+    _reject_unknown(obj, NATIVE_KEYS)
+    has_messages, has_prompt = "messages" in obj, "prompt" in obj
+    if has_messages == has_prompt:
+        raise InvalidJob(
+            "invalid_job", "a job needs exactly one of 'messages' or 'prompt'"
+        )
+    settings = _settings(obj, d.header.defaults)
+    if has_messages:
+        messages = _with_system(_messages(obj["messages"]), d.header.system)
+        return _job(job_id, line, NATIVE, messages, None, settings, d)
+    return _job(job_id, line, NATIVE, None, _prompt(obj["prompt"]), settings, d)
+
+
+def _job_id(obj: dict, line: int) -> str:
+    if "id" not in obj:
+        return str(line)
+    v = obj["id"]
+    if isinstance(v, str) and v:
+        return v
+    if _is_int(v):
+        return str(v)
+    raise InvalidJob("invalid_value", f"'id' must be a non-empty string, got {v!r}")
+
+
+def _openai_job(obj: dict, line: int, d: Defaults) -> Job:
+    _reject_unknown(obj, {"custom_id", "method", "url", "body"})
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise InvalidJob("invalid_value", "'custom_id' must be a non-empty string")
+    if obj.get("method") != "POST":
+        raise InvalidJob("invalid_value", f"'method' must be 'POST', got {obj.get('method')!r}")
+    fmt = OPENAI_URLS.get(obj.get("url"))
+    if fmt is None:
+        urls = " or ".join(OPENAI_URLS)
+        raise InvalidJob("invalid_value", f"'url' must be {urls}, got {obj.get('url')!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise InvalidJob("invalid_job", "'body' must be an object")
+    _reject_unknown(body, CHAT_BODY_KEYS if fmt == CHAT else COMPLETION_BODY_KEYS, "body.")
+    if body.get("n", 1) != 1:
+        raise InvalidJob("invalid_value", "'body.n' must be 1")
+    body = dict(body)
+    if "max_completion_tokens" in body:
+        body["max_tokens"] = body.pop("max_completion_tokens")
+    settings = _settings(body, d.header.defaults)
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    if fmt == CHAT:
+        if "messages" not in body:
+            raise InvalidJob("invalid_job", "a chat request needs 'body.messages'")
+        messages = _with_system(_messages(body["messages"]), d.header.system)
+        return _job(custom_id, line, fmt, messages, None, settings, d, model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return _job(custom_id, line, fmt, None, _prompt(prompt), settings, d, model)
+
+
+def line_format(obj) -> str:
+    """NATIVE, or the OpenAI endpoint format (CHAT) for a batch request line."""
+    return CHAT if isinstance(obj, dict) and "custom_id" in obj else NATIVE
+
+
+def parse_job(raw: bytes, line: int, file_format: str, d: Defaults) -> Job | BadJob:
+    """One job line to a `Job`, or a `BadJob` naming the line and the reason."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return BadJob(str(line), line, file_format, "invalid_json", f"not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        kind = type(obj).__name__
+        return BadJob(str(line), line, file_format, "invalid_job", f"a job must be a JSON object, got {kind}")
+    key = obj.get("custom_id") if file_format != NATIVE else obj.get("id")
+    fallback_id = key if isinstance(key, str) and key else str(line)
+    if _is_int(key):
+        fallback_id = str(key)
+    if "batchgen" in obj:
+        return BadJob(fallback_id, line, file_format, "invalid_job", "a header line is only allowed as the first line")
+    is_openai = line_format(obj) != NATIVE
+    if is_openai != (file_format != NATIVE):
+        what = "an OpenAI batch request" if is_openai else "a native job"
+        return BadJob(fallback_id, line, file_format, "invalid_job",
+                      f"{what} in a file whose first job has the other format")  # fmt: skip
+    try:
+        job = _openai_job(obj, line, d) if is_openai else _native_job(obj, line, d)
+    except InvalidJob as e:
+        meta = obj.get("metadata") if not is_openai else None
+        return BadJob(fallback_id, line, file_format, e.kind, str(e), meta)
+    return job
+
+
+# ---------------------------------------------------------------------------
+# The header line and the file-level scan.
+
+
+def parse_header(obj: dict, line: int) -> Header:
+    h = obj["batchgen"]
+    where = f"header (line {line})"
+    if not isinstance(h, dict):
+        raise JobFileError(f"{where}: 'batchgen' must be an object")
+    unknown = sorted(set(h) - {"system", "defaults"})
+    if unknown:
+        raise JobFileError(f"{where}: unknown key {', '.join(map(repr, unknown))}")
+    system = h.get("system")
+    if system is not None and not isinstance(system, str):
+        raise JobFileError(f"{where}: 'system' must be a string")
+    defaults = h.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise JobFileError(f"{where}: 'defaults' must be an object")
+    unknown = sorted(set(defaults) - DEFAULT_KEYS)
+    if unknown:
+        raise JobFileError(f"{where}: unknown default {', '.join(map(repr, unknown))}")
+    try:
+        checked = {k: FIELD_CHECKS[k](k, v) for k, v in defaults.items()}
+    except InvalidJob as e:
+        raise JobFileError(f"{where}: {e}") from None
+    return Header(system=system, defaults=checked)
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, stripped bytes) for each non-blank line."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
+    with f:
+        for n, raw in enumerate(f, start=1):
+            raw = raw.strip()
+            if raw:
+                yield n, raw
+
+
+def _first_line(path: Path) -> tuple[int, Any] | None:
+    for n, raw in _lines(path):
+        try:
+            return n, orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return n, None
+    return None
+
+
+def read_header(path: Path) -> tuple[Header, int | None]:
+    """The header (empty if none) and its line number."""
+    first = _first_line(path)
+    if first and isinstance(first[1], dict) and "batchgen" in first[1]:
+        return parse_header(first[1], first[0]), first[0]
+    return Header(), None
+
+
+@dataclass
+class ScanReport:
+    header: Header
+    header_line: int | None
+    format: str
+    jobs: int = 0  # lines that are jobs (valid or not)
+    bad: int = 0
+    # The most common system prompt among jobs, for prewarming (None if none).
+    common_system: str | None = None
+    common_system_jobs: int = 0
+    ids: set = field(default_factory=set)  # every job's id (bad lines: their fallback id)
+
+
+def _file_format(path: Path, header_line: int | None) -> str:
+    for n, raw in _lines(path):
+        if n == header_line:
+            continue
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            return line_format(obj)
+    return NATIVE
+
+
+def iter_jobs(path: Path, defaults: Defaults, file_format: str, header_line) -> Iterator[Job | BadJob]:
+    """Every job line of the file, in order, parsed lazily."""
+    for n, raw in _lines(path):
+        if n != header_line:
+            yield parse_job(raw, n, file_format, defaults)
+
+
+def _system_of(job: Job) -> str | None:
+    if job.messages and job.messages[0]["role"] == "system":
+        return job.messages[0]["content"]
+    return None
+
+
+def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None) -> tuple[ScanReport, Defaults]:
+    """Check the whole file; raise `JobFileError` if it cannot be run.
+
+    Holds only ids and a digest per distinct system prompt, so memory stays
+    flat however many jobs the file has.
+    """
+    header, header_line = read_header(path)
+    defaults = Defaults(header, max_tokens, seed)
+    report = ScanReport(header, header_line, _file_format(path, header_line))
+    seen: dict[str, int] = {}
+    systems: Counter = Counter()
+    first_line_of: dict[bytes, int] = {}
+    for item in iter_jobs(path, defaults, report.format, header_line):
+        report.jobs += 1
+        report.ids.add(item.id)
+        if isinstance(item, BadJob):
+            report.bad += 1
+            if on_bad is not None:
+                on_bad(item)
+            continue
+        if item.id in seen:
+            raise JobFileError(
+                f"duplicate job id {item.id!r} on lines {seen[item.id]} and {item.line}"
+            )
+        seen[item.id] = item.line
+        system = _system_of(item)
+        if system:
+            digest = hashlib.sha1(system.encode()).digest()
+            systems[digest] += 1
+            first_line_of.setdefault(digest, item.line)
+    if header.system:
+        report.common_system = header.system
+        report.common_system_jobs = systems[hashlib.sha1(header.system.encode()).digest()]
+    elif systems:
+        digest, count = systems.most_common(1)[0]
+        report.common_system = _system_on_line(path, first_line_of[digest], defaults, report)
+        report.common_system_jobs = count
+    return report, defaults
+
+
+def _system_on_line(path: Path, line: int, defaults: Defaults, report: ScanReport) -> str | None:
+    for n, raw in _lines(path):
+        if n == line:
+            job = parse_job(raw, n, report.format, defaults)
+            return _system_of(job) if isinstance(job, Job) else None
+    return None

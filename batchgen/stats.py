@@ -1,0 +1,172 @@
+"""Per-job results and statistics, and the run summary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class JobStats:
+    prefill_s: float = 0.0  # from job start to the first token: prefill + first step
+    decode_s: float = 0.0  # from the first token to the last
+    prompt_tps: float = 0.0  # prefilled (uncached) tokens per second
+    decode_tps: float = 0.0  # tokens after the first, per second of decode
+    cache_hit_ratio: float = 0.0  # cached prompt tokens / prompt tokens
+    draft: str = "none"
+    pld_drafted: int = 0
+    pld_accepted: int = 0
+    forward_passes: int = 0
+    kv_cache: str = "fp16"
+    kv_bytes: int = 0
+    peak_memory_gb: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("prefill_s", "decode_s", "prompt_tps", "decode_tps", "peak_memory_gb"):
+            d[k] = round(d[k], 6)
+        d["cache_hit_ratio"] = round(d["cache_hit_ratio"], 4)
+        d["pld_acceptance"] = (
+            round(self.pld_accepted / self.pld_drafted, 4) if self.pld_drafted else 0.0
+        )
+        return d
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class JobFailure:
+    type: str
+    message: str
+    line: int
+
+
+@dataclass
+class Result:
+    """One finished job (or a failed one, with `error` set and no text)."""
+
+    id: str
+    line: int
+    format: str
+    text: str | None = None
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    stats: JobStats = field(default_factory=JobStats)
+    metadata: Any = None
+    error: JobFailure | None = None
+    model_name: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Timer:
+    """Wall-clock seconds since construction (perf_counter)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@dataclass
+class RunSummary:
+    total: int = 0
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    decode_s: float = 0.0
+    decode_tokens: int = 0  # tokens generated after each job's first
+    wall_s: float = 0.0
+    load_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    model_memory_gb: float = 0.0
+    device: str = ""
+    model: str = ""
+    fusion: dict = field(default_factory=dict)
+    prewarm: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0})
+    draft: str = "none"
+    kv_cache: str = "fp16"
+    pld_ngram_size: int = 0
+    pld_max_lookup: int = 0
+    interrupted: bool = False
+
+    def add(self, r: Result) -> None:
+        if not r.ok:
+            self.failed += 1
+            return
+        self.ok += 1
+        self.prompt_tokens += r.usage.prompt_tokens
+        self.completion_tokens += r.usage.completion_tokens
+        self.cached_tokens += r.usage.cached_tokens
+        self.decode_s += r.stats.decode_s
+        self.decode_tokens += max(r.usage.completion_tokens - 1, 0)
+        self.peak_memory_gb = max(self.peak_memory_gb, r.stats.peak_memory_gb)
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "jobs": {
+                "total": self.total,
+                "ok": self.ok,
+                "failed": self.failed,
+                "skipped": self.skipped,
+            },
+            "tokens": {
+                "prompt": self.prompt_tokens,
+                "completion": self.completion_tokens,
+                "cached": self.cached_tokens,
+            },
+            "wall_s": round(self.wall_s, 3),
+            "load_s": round(self.load_s, 3),
+            "decode_tps": round(self.decode_tps, 2),
+            "jobs_per_s": round(self.ok / self.wall_s, 3) if self.wall_s > 0 else 0.0,
+            "cache_hit_ratio": (
+                round(self.cached_tokens / self.prompt_tokens, 4)
+                if self.prompt_tokens
+                else 0.0
+            ),
+            "peak_memory_gb": round(self.peak_memory_gb, 4),
+            "model_memory_gb": round(self.model_memory_gb, 4),
+            "device": self.device,
+            "model": self.model,
+            "fusion": self.fusion,
+            "prewarm": self.prewarm,
+            "draft": self.draft,
+            "pld_ngram_size": self.pld_ngram_size,
+            "pld_max_lookup": self.pld_max_lookup,
+            "kv_cache": self.kv_cache,
+            "interrupted": self.interrupted,
+        }
+
+    def lines(self) -> list[str]:
+        """The same figures as `as_dict`, for a human on stderr."""
+        d = self.as_dict()
+        j, t = d["jobs"], d["tokens"]
+        f = d["fusion"] or {}
+        return [
+            f"jobs: {j['total']} total, {j['ok']} ok, {j['failed']} failed, {j['skipped']} skipped",
+            f"tokens: {t['prompt']} prompt ({t['cached']} cached, cache_hit_ratio={d['cache_hit_ratio']}), "
+            f"{t['completion']} completion",
+            f"time: wall {d['wall_s']}s, load {d['load_s']}s, prewarm {d['prewarm']['tokens']} tokens "
+            f"in {d['prewarm']['seconds']}s; decode {d['decode_tps']} tok/s, {d['jobs_per_s']} jobs/s",
+            f"memory: peak {d['peak_memory_gb']} GB, model {d['model_memory_gb']} GB; device {d['device']}",
+            f"techniques: draft={d['draft']} pld_ngram_size={d['pld_ngram_size']} "
+            f"pld_max_lookup={d['pld_max_lookup']} kv_cache={d['kv_cache']} "
+            f"fusion qkv={f.get('qkv', 0)} gate_up={f.get('gate_up', 0)} experts={f.get('experts', 0)}",
+        ]

@@ -1,0 +1,129 @@
+"""Engine on tiny real models: greedy text equals mlx-lm's, stop/EOS/max_tokens
+exact, seeded sampling reproducible. float32 on CPU, so equality is exact."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import generate
+
+from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
+from batchgen.engine import Engine
+from batchgen.jobs import NATIVE, Job
+
+from tiny import ARCHS
+
+USER_TEXTS = [
+    "Rename the variable `count` to `total` in the function below.",
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox",
+]
+
+
+def make_job(text=None, prompt=None, max_tokens=24, stop=(), sampling=None, draft=None, job_id="j"):
+    messages = None if prompt is not None else ({"role": "user", "content": text},)
+    return Job(
+        id=job_id, line=1, format=NATIVE, messages=messages, prompt=prompt,
+        max_tokens=max_tokens, sampling=sampling or SamplingConfig(), stop=tuple(stop), draft=draft,
+    )  # fmt: skip
+
+
+def make_engine(path, draft="none", pool=False, **kw):
+    cfg = EngineConfig(
+        model=str(path), fuse=False, decode=DecodeConfig(draft=draft),
+        prompt_cache=PromptCacheConfig(enabled=pool, prewarm=pool), **kw,
+    )  # fmt: skip
+    return Engine.load(cfg)
+
+
+def reference_text(engine, job):
+    tokens = engine.prompt_tokens(job)
+    return generate(engine.model, engine.tokenizer, prompt=tokens, max_tokens=job.max_tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_text_equals_mlx_lm_generate(model_dir, arch):
+    engine = make_engine(model_dir(arch))
+    for text in USER_TEXTS:
+        job = make_job(text)
+        result = engine.run(job)
+        assert result.ok, result.error
+        assert result.text == reference_text(engine, job)
+        assert result.usage.completion_tokens == job.max_tokens
+        assert result.finish_reason == "length"
+
+
+def test_raw_prompt_is_not_templated(model_dir):
+    engine = make_engine(model_dir("qwen2"))
+    job = make_job(prompt="import os\nimport sys\n")
+    result = engine.run(job)
+    assert result.usage.prompt_tokens == len(engine.tokenizer.encode("import os\nimport sys\n"))
+    assert result.text == generate(engine.model, engine.tokenizer, prompt="import os\nimport sys\n", max_tokens=24)
+
+
+def test_stop_string_cuts_text_and_reports_stop(model_dir):
+    engine = make_engine(model_dir("llama"))
+    full = engine.run(make_job(USER_TEXTS[0], max_tokens=40)).text
+    stop = full[10:13]
+    assert stop and full.find(stop) >= 10 or full.find(stop) >= 0
+    result = engine.run(make_job(USER_TEXTS[0], max_tokens=40, stop=[stop]))
+    assert result.finish_reason == "stop"
+    assert result.text == full[: full.find(stop)]
+    assert result.usage.completion_tokens < 40
+
+
+def test_eos_ends_job_without_text(model_dir):
+    engine = make_engine(model_dir("qwen3"))
+    job = make_job(USER_TEXTS[1], max_tokens=30)
+    tokens = engine.prompt_tokens(job)
+    ids = [r for r in _greedy_ids(engine, tokens, 30)]
+    eos = ids[6]
+    first = ids.index(eos)
+    engine.tokenizer.add_eos_token(str(eos))
+    try:
+        result = engine.run(job)
+        expected = reference_text(engine, job)
+    finally:
+        engine.tokenizer._eos_token_ids.discard(eos)
+    assert result.finish_reason == "stop"
+    assert result.usage.completion_tokens == first + 1  # EOS counted, not shown
+    assert result.text == expected
+
+
+def _greedy_ids(engine, tokens, n):
+    from mlx_lm.generate import generate_step
+
+    return [t for t, _ in generate_step(mx.array(tokens), engine.model, max_tokens=n)]
+
+
+def test_max_tokens_is_exact(model_dir):
+    engine = make_engine(model_dir("qwen2"))
+    for n in (1, 2, 7):
+        result = engine.run(make_job(USER_TEXTS[2], max_tokens=n))
+        assert result.usage.completion_tokens == n
+        assert result.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model_dir):
+    engine = make_engine(model_dir("qwen2"))
+    s7 = SamplingConfig(temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    a = engine.run(make_job(USER_TEXTS[0], sampling=s7)).text
+    b = engine.run(make_job(USER_TEXTS[0], sampling=s7)).text
+    c = engine.run(make_job(USER_TEXTS[0], sampling=SamplingConfig(temperature=1.0, seed=8))).text
+    assert a == b
+    assert a != c
+
+
+def test_prompt_longer_than_context_fails_alone(model_dir):
+    engine = make_engine(model_dir("qwen2", max_position_embeddings=16))
+    result = engine.run(make_job(USER_TEXTS[0]))
+    assert result.error.type == "prompt_too_long"
+    assert engine.run(make_job(prompt="ab", max_tokens=3)).ok
+
+
+def test_stats_are_filled(model_dir):
+    engine = make_engine(model_dir("qwen2"))
+    r = engine.run(make_job(USER_TEXTS[0], max_tokens=10))
+    s = r.stats
+    assert s.prefill_s > 0 and s.decode_s > 0 and s.decode_tps > 0 and s.prompt_tps > 0
+    assert s.kv_cache == "fp16" and s.kv_bytes > 0 and s.peak_memory_gb > 0
+    assert s.forward_passes >= 10
+    assert r.usage.prompt_tokens == len(engine.prompt_tokens(make_job(USER_TEXTS[0])))
