@@ -1,0 +1,262 @@
+"""`batchgen run` / `batchgen validate` end to end on JSONL files, through
+click's CliRunner, on a tiny real model."""
+
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+
+SYSTEM = "You are a helpful assistant. Answer briefly and exactly."
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    import tiny
+
+    return str(tiny.build_model("qwen2", tmp_path_factory.mktemp("cli-qwen2")))
+
+
+def write_jobs(path: Path, lines) -> Path:
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+def good_jobs(n=4):
+    header = {"batchgen": {"system": SYSTEM, "defaults": {"max_tokens": 6}}}
+    jobs = [{"id": f"j{i}", "messages": [{"role": "user", "content": f"task {i}"}], "metadata": {"i": i}} for i in range(n)]
+    return [header] + jobs
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
+
+
+def read_lines(path: Path):
+    return [orjson.loads(l) for l in path.read_text().splitlines()]
+
+
+def test_run_writes_one_line_per_job_and_summary(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs())
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--summary", str(summary), "--no-fuse")
+    assert r.exit_code == 0, r.stderr
+    lines = read_lines(out)
+    assert [l["id"] for l in lines] == ["j0", "j1", "j2", "j3"]
+    for i, l in enumerate(lines):
+        assert set(l) == {"id", "text", "finish_reason", "usage", "stats", "metadata", "error"}
+        assert l["error"] is None and l["metadata"] == {"i": i} and isinstance(l["text"], str)
+        assert l["finish_reason"] == "length" and l["usage"]["completion_tokens"] == 6
+        assert set(l["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
+        for key in ("prefill_s", "decode_s", "prompt_tps", "decode_tps", "cache_hit_ratio", "draft",
+                    "pld_drafted", "pld_accepted", "kv_cache", "kv_bytes", "peak_memory_gb"):  # fmt: skip
+            assert key in l["stats"]
+    s = json.loads(summary.read_text())
+    assert s["jobs"] == {"total": 4, "ok": 4, "failed": 0, "skipped": 0}
+    assert s["tokens"]["completion"] == 24 and s["tokens"]["prompt"] == sum(l["usage"]["prompt_tokens"] for l in lines)
+    for key in ("wall_s", "load_s", "decode_tps", "peak_memory_gb", "model_memory_gb", "device", "fusion", "prewarm", "draft", "kv_cache"):
+        assert key in s
+    assert set(s["fusion"]) >= {"qkv", "gate_up", "experts", "skipped", "bytes_freed"}
+    assert set(s["prewarm"]) == {"tokens", "seconds"} and s["prewarm"]["tokens"] > 0
+    assert "jobs: 4 total, 4 ok, 0 failed, 0 skipped" in r.stderr
+    assert "prompt-lookup decoding ENABLED pld_max_lookup=5 pld_ngram_size=3" in r.stderr
+
+
+def test_bad_lines_get_error_lines_and_exit_1(tmp_path, model):
+    lines = good_jobs(2) + [
+        "{broken json",
+        '"a string"',
+        {"id": "typo", "prompt": "x", "temprature": 0.2},
+        {"id": "neg", "prompt": "x", "max_tokens": -3},
+        {"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "y"}]},
+        {"id": "role", "messages": [{"role": "wizard", "content": "y"}]},
+        {"id": "empty", "messages": []},
+        {"id": "type", "prompt": "x", "top_k": "ten"},
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
+    assert r.exit_code == 1
+    got = {l["id"]: l for l in read_lines(out)}
+    assert got["j0"]["error"] is None and got["j1"]["error"] is None
+    expected = {"4": ("invalid_json", 4), "5": ("invalid_job", 5), "typo": ("unknown_key", 6),
+                "neg": ("invalid_value", 7), "both": ("invalid_job", 8), "role": ("invalid_job", 9),
+                "empty": ("invalid_job", 10), "type": ("invalid_value", 11)}  # fmt: skip
+    for job_id, (kind, line) in expected.items():
+        e = got[job_id]["error"]
+        assert (e["type"], e["line"]) == (kind, line), job_id
+        assert "text" not in got[job_id]
+    assert "jobs: 10 total, 2 ok, 8 failed, 0 skipped" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "lines, words",
+    [
+        ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], "duplicate job id 'a' on lines 1 and 2"),
+        ([{"batchgen": {"system": 3}}, {"prompt": "x"}], "'system' must be a string"),
+    ],
+)
+def test_unusable_file_exits_2_without_output(tmp_path, model, lines, words):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out))
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines() == [f"batchgen: error: {r.stderr.split('error: ', 1)[1].strip()}"]
+    assert words in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_missing_model_and_missing_file_exit_2(tmp_path):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(1))
+    out = tmp_path / "out.jsonl"
+    r = invoke("run", str(jobs), "--model", str(tmp_path / "no-such-model"), "-o", str(out))
+    assert r.exit_code == 2 and "model not found" in r.stderr and not out.exists()
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = invoke("run", str(tmp_path / "nope.jsonl"), "-o", str(out))
+    assert r.exit_code == 2 and "cannot read job file" in r.stderr and not out.exists()
+
+
+def test_broken_model_dir_exits_2(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(1))
+    r = invoke("run", str(jobs), "--model", str(tmp_path / "m"), "-o", str(tmp_path / "o.jsonl"))
+    assert r.exit_code == 2 and "cannot load model" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("opts", [["--kv-bits", "9"], ["--draft", "eagle"], ["--max-tokens", "0"], ["--prompt-cache-bytes", "lots"]])
+def test_bad_options_exit_2(tmp_path, opts):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(1))
+    r = invoke("run", str(jobs), "-o", str(tmp_path / "o.jsonl"), *opts)
+    assert r.exit_code == 2 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_resume_repairs_torn_line_and_skips_done(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(4))
+    out = tmp_path / "out.jsonl"
+    assert invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse").exit_code == 0
+    full = read_lines(out)
+    # A crash while writing the third line: two complete lines and half of one.
+    raw = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(raw[:2]) + raw[2][: len(raw[2]) // 2])
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
+    assert r.exit_code == 0, r.stderr
+    again = read_lines(out)
+    assert [l["id"] for l in again] == ["j0", "j1", "j2", "j3"]
+    assert [l["text"] for l in again] == [l["text"] for l in full]
+    assert "2 skipped" in r.stderr and "repaired a torn last line" in r.stderr
+    # Everything done: a third run writes nothing new.
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
+    assert r.exit_code == 0 and len(read_lines(out)) == 4 and "4 skipped" in r.stderr
+
+
+def test_resume_refuses_a_foreign_output_file(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(1))
+    out = tmp_path / "out.jsonl"
+    out.write_text("hello\nworld\n")
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out))
+    assert r.exit_code == 2 and "line 1 is not a batchgen result line" in r.stderr
+    assert out.read_text() == "hello\nworld\n"
+
+
+def test_interrupted_run_keeps_finished_lines_and_resumes(tmp_path, model, monkeypatch):
+    from batchgen.engine import Engine
+
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(4))
+    out = tmp_path / "out.jsonl"
+    real_run, calls = Engine.run, []
+
+    def run_then_interrupt(self, job):
+        calls.append(job.id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run(self, job)
+
+    monkeypatch.setattr(Engine, "run", run_then_interrupt)
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
+    assert r.exit_code == 130 and "interrupted after 2 jobs" in r.stderr
+    assert [l["id"] for l in read_lines(out)] == ["j0", "j1"]
+    monkeypatch.setattr(Engine, "run", real_run)
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
+    assert r.exit_code == 0 and [l["id"] for l in read_lines(out)] == ["j0", "j1", "j2", "j3"]
+
+
+def test_retry_failed_reruns_error_lines_once(tmp_path, model):
+    jobs = tmp_path / "jobs.jsonl"
+    write_jobs(jobs, good_jobs(2) + [{"id": "bad", "prompt": "x", "max_tokens": 0}])
+    out = tmp_path / "out.jsonl"
+    assert invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse").exit_code == 1
+    write_jobs(jobs, good_jobs(2) + [{"id": "bad", "prompt": "x", "max_tokens": 3}])
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse", "--retry-failed")
+    assert r.exit_code == 0, r.stderr
+    lines = read_lines(out)
+    assert [l["id"] for l in lines] == ["j0", "j1", "bad"] and lines[-1]["error"] is None
+
+
+def test_stdin_to_stdout(tmp_path, model):
+    text = "".join(json.dumps(l) + "\n" for l in good_jobs(2))
+    r = invoke("run", "-", "--model", model, "-o", "-", "--no-fuse", input=text)
+    assert r.exit_code == 0, r.stderr
+    lines = [orjson.loads(l) for l in r.stdout.splitlines()]
+    assert [l["id"] for l in lines] == ["j0", "j1"]
+    assert "jobs: 2 total" in r.stderr and "jobs:" not in r.stdout
+
+
+def test_default_output_path_is_outputs_stem(tmp_path, model, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_jobs(tmp_path / "nightly.jsonl", good_jobs(1))
+    assert invoke("run", "nightly.jsonl", "--model", model, "--no-fuse", "-q").exit_code == 0
+    assert len(read_lines(tmp_path / "outputs" / "nightly.jsonl")) == 1
+
+
+def test_model_from_environment(tmp_path, model, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_MODEL", model)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(1))
+    r = invoke("run", str(jobs), "-o", str(tmp_path / "o.jsonl"), "--no-fuse")
+    assert r.exit_code == 0 and model in r.stderr
+
+
+def test_openai_batch_output_validates_with_openai_models(tmp_path, model):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    lines = [
+        {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}},
+        {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "def add(", "max_tokens": 4}},
+        {"custom_id": "c3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "best_of": 2}},
+    ]  # fmt: skip
+    jobs = write_jobs(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
+    assert r.exit_code == 1
+    c1, c2, c3 = read_lines(out)
+    assert c1["custom_id"] == "c1" and c1["error"] is None and c1["response"]["status_code"] == 200
+    assert c1["id"].startswith("batch_req_") and c1["response"]["request_id"]
+    chat = ChatCompletion.model_validate(c1["response"]["body"])
+    assert chat.usage.completion_tokens == 5 and chat.choices[0].message.role == "assistant"
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + 5 and chat.model == "tiny"
+    comp = Completion.model_validate(c2["response"]["body"])
+    assert comp.usage.completion_tokens == 4 and comp.choices[0].finish_reason == "length"
+    assert c1["response"]["body"]["batchgen"]["stats"]["draft"] == "pld"
+    assert c3["response"] is None and c3["error"]["code"] == "unknown_key" and c3["error"]["line"] == 3
+
+
+def test_validate_lists_bad_jobs(tmp_path):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(2) + ["{oops", {"id": "t", "prompt": "x", "temprature": 1}])
+    r = invoke("validate", str(jobs))
+    assert r.exit_code == 1
+    first, second = r.stdout.splitlines()
+    assert first.startswith("line 4: job '4': invalid_json: not valid JSON: ")
+    assert second == "line 5: job 't': unknown_key: unknown key 'temprature'"
+    assert "4 jobs (native), 2 valid, 2 invalid" in r.stderr
+    ok = write_jobs(tmp_path / "ok.jsonl", good_jobs(2))
+    assert invoke("validate", str(ok)).exit_code == 0
+    dup = write_jobs(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "x"}])
+    r = invoke("validate", str(dup))
+    assert r.exit_code == 2 and "duplicate job id" in r.stderr
+    assert invoke("validate", str(tmp_path / "missing.jsonl")).exit_code == 2

@@ -1,0 +1,181 @@
+"""The job-file contract on literal lines: no model, no mlx."""
+
+from pathlib import Path
+
+import pytest
+
+from batchgen.jobs import (
+    CHAT, COMPLETION, NATIVE, BadJob, Defaults, Header, Job, JobFileError, parse_job, scan_jobs,
+)  # fmt: skip
+
+D = Defaults(Header(), max_tokens=64, seed=None)
+
+
+def parse(line: str, fmt=NATIVE, d=D):
+    return parse_job(line.encode(), 7, fmt, d)
+
+
+def test_native_job_with_all_keys():
+    job = parse(
+        '{"id": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,'
+        ' "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 3,'
+        ' "stop": ["\\n\\n"], "metadata": {"k": [1]}, "draft": "none", "kv_cache": "turboquant", "kv_bits": 3}'
+    )
+    assert isinstance(job, Job)
+    assert (job.id, job.line, job.max_tokens, job.stop, job.metadata) == ("a1", 7, 9, ("\n\n",), {"k": [1]})
+    s = job.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 0.9, 40, 0.05, 3)
+    assert (job.draft, job.kv_cache, job.kv_bits) == ("none", "turboquant", 3)
+
+
+def test_defaults_id_from_line_and_max_tokens():
+    job = parse('{"prompt": "x"}')
+    assert job.id == "7" and job.max_tokens == 64 and job.prompt == "x" and job.messages is None
+    assert job.sampling.greedy
+
+
+def test_header_defaults_and_system_apply():
+    d = Defaults(Header(system="SYS", defaults={"max_tokens": 5, "temperature": 0.3}), 64, 9)
+    job = parse('{"messages": [{"role": "user", "content": "q"}]}', d=d)
+    assert job.messages[0] == {"role": "system", "content": "SYS"}
+    assert job.max_tokens == 5 and job.sampling.temperature == 0.3 and job.sampling.seed == 9
+    own = parse('{"messages": [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]}', d=d)
+    assert [m["content"] for m in own.messages] == ["mine", "q"]
+    raw = parse('{"prompt": "p"}', d=d)
+    assert raw.prompt == "p" and raw.messages is None
+
+
+@pytest.mark.parametrize(
+    "line, kind, words",
+    [
+        ("{not json", "invalid_json", "not valid JSON"),
+        ("[1, 2]", "invalid_job", "JSON object"),
+        ('{"id": "x"}', "invalid_job", "exactly one of"),
+        ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "invalid_job", "exactly one of"),
+        ('{"prompt": "a", "temprature": 0.5}', "unknown_key", "'temprature'"),
+        ('{"prompt": "a", "max_tokens": -1}', "invalid_value", "max_tokens"),
+        ('{"prompt": "a", "max_tokens": "5"}', "invalid_value", "max_tokens"),
+        ('{"prompt": "a", "max_tokens": true}', "invalid_value", "max_tokens"),
+        ('{"prompt": "a", "temperature": -0.1}', "invalid_value", "temperature"),
+        ('{"prompt": "a", "top_p": 0}', "invalid_value", "top_p"),
+        ('{"prompt": "a", "stop": [""]}', "invalid_value", "stop"),
+        ('{"prompt": ""}', "invalid_value", "prompt"),
+        ('{"prompt": "a", "draft": "eagle"}', "invalid_value", "draft"),
+        ('{"prompt": "a", "kv_bits": 8}', "invalid_value", "kv_bits"),
+        ('{"messages": []}', "invalid_job", "non-empty list"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "invalid_job", "role"),
+        ('{"messages": [{"role": "user"}]}', "invalid_job", "content"),
+        ('{"messages": [{"role": "user", "content": 5}]}', "invalid_value", "content"),
+        ('{"messages": [{"role": "user", "content": "x", "colour": 1}]}', "unknown_key", "colour"),
+        ('{"id": 3.5, "prompt": "a"}', "invalid_value", "'id'"),
+        ('{"batchgen": {}}', "invalid_job", "header"),
+    ],
+)
+def test_bad_lines_become_bad_jobs(line, kind, words):
+    bad = parse(line)
+    assert isinstance(bad, BadJob)
+    assert bad.kind == kind and bad.line == 7
+    assert words in bad.message
+
+
+def test_bad_job_keeps_its_id_when_readable():
+    assert parse('{"id": "z9", "prompt": "a", "bogus": 1}').id == "z9"
+    assert parse("nope").id == "7"
+
+
+def test_openai_chat_and_completion_lines():
+    chat = parse(
+        '{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": '
+        '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],'
+        ' "max_completion_tokens": 12, "temperature": 0}}',
+        fmt=CHAT,
+    )
+    assert (chat.id, chat.format, chat.max_tokens, chat.model_name) == ("r1", CHAT, 12, "m")
+    assert chat.messages[-1]["content"] == "hi"
+    comp = parse(
+        '{"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "abc", "max_tokens": 3}}',
+        fmt=CHAT,
+    )
+    assert (comp.format, comp.prompt, comp.max_tokens) == (COMPLETION, "abc", 3)
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ('{"custom_id": "r", "method": "GET", "url": "/v1/completions", "body": {"prompt": "a"}}', "POST"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/embeddings", "body": {}}', "url"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}}', "body.logprobs"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 2}}', "body.n"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}', "body.messages"),
+        ('{"prompt": "a"}', "native job"),
+    ],
+)
+def test_bad_openai_lines(line, words):
+    bad = parse(line, fmt=CHAT)
+    assert isinstance(bad, BadJob) and words in bad.message
+    if '"custom_id"' in line:
+        assert bad.id == "r"
+
+
+def write(tmp_path: Path, *lines: str) -> Path:
+    p = tmp_path / "jobs.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_scan_counts_and_most_common_system(tmp_path):
+    sys_a = '{"role": "system", "content": "A"}'
+    path = write(
+        tmp_path,
+        f'{{"messages": [{sys_a}, {{"role": "user", "content": "1"}}]}}',
+        "",
+        f'{{"messages": [{sys_a}, {{"role": "user", "content": "2"}}]}}',
+        '{"messages": [{"role": "system", "content": "B"}, {"role": "user", "content": "3"}]}',
+        "garbage",
+    )
+    bad = []
+    scan, _ = scan_jobs(path, 16, None, on_bad=bad.append)
+    assert (scan.jobs, scan.bad, scan.format) == (4, 1, NATIVE)
+    assert (scan.common_system, scan.common_system_jobs) == ("A", 2)
+    assert scan.ids == {"1", "3", "4", "5"}
+    assert [b.line for b in bad] == [5]
+
+
+def test_scan_header_and_format(tmp_path):
+    path = write(
+        tmp_path,
+        '{"batchgen": {"system": "S", "defaults": {"max_tokens": 7}}}',
+        '{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}}',
+    )
+    scan, d = scan_jobs(path, 16, None)
+    assert scan.header == Header("S", {"max_tokens": 7}) and scan.header_line == 1
+    assert scan.format == CHAT and scan.jobs == 1 and scan.common_system == "S"
+
+
+@pytest.mark.parametrize(
+    "header, words",
+    [
+        ('{"batchgen": {"sytem": "S"}}', "unknown key 'sytem'"),
+        ('{"batchgen": {"defaults": {"max_tokens": 0}}}', "max_tokens"),
+        ('{"batchgen": {"defaults": {"id": "x"}}}', "unknown default"),
+        ('{"batchgen": "S"}', "must be an object"),
+    ],
+)
+def test_bad_header_makes_file_unusable(tmp_path, header, words):
+    with pytest.raises(JobFileError, match=words):
+        scan_jobs(write(tmp_path, header, '{"prompt": "a"}'), 16, None)
+
+
+def test_duplicate_ids_make_file_unusable(tmp_path):
+    path = write(tmp_path, '{"id": "a", "prompt": "x"}', '{"prompt": "y"}', '{"id": "a", "prompt": "z"}')
+    with pytest.raises(JobFileError, match=r"duplicate job id 'a' on lines 1 and 3"):
+        scan_jobs(path, 16, None)
+    # an explicit id equal to another line's default id is a duplicate too
+    path = write(tmp_path, '{"prompt": "x"}', '{"id": "1", "prompt": "y"}')
+    with pytest.raises(JobFileError, match="duplicate job id '1'"):
+        scan_jobs(path, 16, None)
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(JobFileError, match="cannot read job file"):
+        scan_jobs(tmp_path / "missing.jsonl", 16, None)
