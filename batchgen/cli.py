@@ -170,3 +170,63 @@ def validate(jobs, max_tokens):
     fmt = "openai batch" if scan.format != "native" else "native"
     click.echo(f"{scan.jobs} jobs ({fmt}), {scan.jobs - scan.bad} valid, {scan.bad} invalid", err=True)
     sys.exit(1 if bad else 0)
+
+
+@main.command()
+@click.argument("jobs", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id (default: the demo model).")
+@click.option("--shape", type=click.Choice(sorted(__import__("batchgen.bench", fromlist=["SHAPES"]).SHAPES)), default=None,
+              help="Random weights of a real model shape instead of --model.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True, help="For --shape.")
+@click.option("--quantize", "quantize_bits", type=click.Choice(["4", "8"]), default=None, help="Quantize a --shape model.")
+@click.option("--max-jobs", type=click.IntRange(min=1), default=None)
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Warm-up jobs per side, not measured.")
+@click.option("--synthetic", "synthetic_tokens", type=click.IntRange(min=1), default=None, help="Random prompts of N tokens instead of JOBS.")
+@click.option("--synthetic-jobs", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Override every job's max_tokens.")
+@click.option("--draft", type=click.Choice(DRAFT_KINDS), default="pld", show_default=True)
+@click.option("--pld-ngram-size", type=click.IntRange(min=1), default=DEFAULT_PLD_NGRAM_SIZE, show_default=True)
+@click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True)
+@click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None)
+@click.option("--pld-always", is_flag=True, help="Verify every draft (no adaptive policy).")
+@click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS), default="fp16", show_default=True)
+@click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True)
+@click.option("--plain-kv-bits", type=click.Choice(["4", "8"]), default=None, help="mlx-lm's own quantized KV cache on the plain side.")
+@click.option("--no-fuse", is_flag=True)
+@click.option("--no-prompt-cache", is_flag=True)
+@click.option("--no-prewarm", is_flag=True)
+@click.option("--out", "out_json", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench/results/bench.json"), show_default=True)
+@click.option("--png", "out_png", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Plot (default: next to --out).")
+@click.option("--no-png", is_flag=True)
+def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
+          draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, kv_cache, kv_bits, plain_kv_bits,
+          no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png):  # fmt: skip
+    """Run JOBS through plain mlx-lm and through batchgen, side by side."""
+    _setup_logging(quiet=True)
+    from .bench import BenchConfig, run_bench, save_results
+
+    if jobs is None and not synthetic_tokens:
+        _fail("give a JOBS file or --synthetic N")
+    engine = EngineConfig(
+        model=model or shape or str(DEMO_MODEL_DIR),
+        fuse=not no_fuse,
+        decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_adaptive=not pld_always),
+        kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
+        prompt_cache=PromptCacheConfig(enabled=not no_prompt_cache, prewarm=not no_prewarm),
+    )
+    cfg = BenchConfig(
+        engine=engine, jobs_path=jobs, shape=shape, dtype=dtype,
+        quantize_bits=int(quantize_bits) if quantize_bits else None, max_jobs=max_jobs, warmup_jobs=warmup,
+        synthetic_prompt_tokens=synthetic_tokens, synthetic_jobs=synthetic_jobs, max_tokens=max_tokens,
+        plain_kv_bits=int(plain_kv_bits) if plain_kv_bits else None,
+        tokenizer_path=Path(model) if (shape and model) else None,
+    )  # fmt: skip
+    result = run_bench(cfg, log=lambda line: click.echo(line, err=True))
+    png = None if no_png else (out_png or out_json.with_suffix(".png"))
+    save_results(result, out_json, png)
+    p, o, ratio = result["sides"]["mlx-lm"], result["sides"]["batchgen"], result["ratio_batchgen_over_plain"]
+    click.echo(f"decode tok/s: mlx-lm {p['decode_tps']:.1f}, batchgen {o['decode_tps']:.1f} ({ratio['decode_tps']:.2f}x); "
+               f"prefill tok/s {p['prefill_tps']:.0f} / {o['prefill_tps']:.0f}; ttft {p['ttft_s_mean']*1e3:.1f} / "
+               f"{o['ttft_s_mean']*1e3:.1f} ms; identical {result['identical_outputs']}/{result['jobs']}; "
+               f"passes/token {p['forward_passes_per_token']:.2f} / {o['forward_passes_per_token']:.2f}")  # fmt: skip
+    click.echo(f"wrote {out_json}" + (f" and {png}" if png else ""))

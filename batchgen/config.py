@@ -47,6 +47,8 @@ class DecodeConfig:
     # Verify a draft only where the measured acceptance and pass costs say it
     # pays; off: verify every draft found (parity tests, ablations).
     pld_adaptive: bool = True
+    # Queue the next verify pass before the current one is read back (greedy).
+    pld_pipeline: bool = True
 
 
 @dataclass(frozen=True)

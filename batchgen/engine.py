@@ -13,7 +13,7 @@ import hashlib
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -277,7 +277,8 @@ class Engine:
 
     def plan(self, job: Job) -> JobPlan:
         d, k = self.config.decode, self.config.kv
-        decode = DecodeConfig(
+        decode = replace(
+            d,
             draft=job.draft or d.draft,
             pld_ngram_size=job.pld_ngram_size or d.pld_ngram_size,
             pld_max_lookup=d.pld_max_lookup if job.pld_max_lookup is None else job.pld_max_lookup,

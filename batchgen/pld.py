@@ -143,6 +143,30 @@ class DraftPolicy:
     prior_verify_ratio: float = 1.3  # verify(L)/plain before anything is measured
     explore_every: int = 64  # skipped drafts between forced verifies (re-measure)
     adaptive: bool = True  # False: verify every draft found
+    calibrated: bool = False
+
+    def calibrate(self, model, cache: list, token: int, lengths: list[int], steps: int = 6) -> None:
+        """Time plain pipelined steps and verify passes of `lengths` tokens on
+        a scratch copy of `cache`, so the first job's decisions already rest
+        on this device's costs (a few passes, once per run)."""
+        from .prompt_cache import clone_cache
+
+        scratch = clone_cache(cache)
+        y = mx.array([token])
+        for timed in (False, True):  # the first round warms up kernels
+            start = time.perf_counter()
+            for _ in range(steps):
+                y = mx.argmax(model(y[None], cache=scratch)[:, -1, :], axis=-1)
+                mx.async_eval(y)
+            y.item()
+            if timed:
+                self.plain_s.add((time.perf_counter() - start) / steps)
+            for length in lengths:
+                start = time.perf_counter()
+                mx.eval(mx.argmax(model(mx.array([token] * length)[None], cache=scratch), axis=-1))
+                if timed:
+                    self.verify_s.setdefault(length, _Ema()).add(time.perf_counter() - start)
+        self.calibrated = True
 
     def acceptance(self, job_accepted: int = 0, job_rejected: int = 0) -> float:
         # The job's own counts, with the run's rate as a prior worth 8 drafts.
@@ -210,6 +234,17 @@ def _snapshot(cache: list, layers: list[int]) -> dict:
 
 
 @dataclass
+class _Pass:
+    """A queued verify pass."""
+
+    draft: list[int]
+    length: int  # tokens fed, pads included
+    logits: mx.array  # (len(draft) + 1, vocab)
+    targets: mx.array | None  # greedy: argmax per position, being evaluated
+    saved: dict | None  # recurrent layers' state from before the pass
+
+
+@dataclass
 class _Shadow:
     """A skipped draft, scored against the tokens the model then produces."""
 
@@ -235,6 +270,7 @@ class PLDDecoder:
         policy: DraftPolicy,
         pad_to: int | None,
         stream,
+        pipeline: bool = True,
     ):
         self.model, self.cache, self.sampling, self.keys = model, cache, sampling, keys
         self.ngram_size, self.max_lookup = ngram_size, max_lookup
@@ -247,6 +283,10 @@ class PLDDecoder:
         self.job_accepted = 0
         self.job_rejected = 0
         self.shadow: _Shadow | None = None
+        # Queue the next verify pass before reading the current one: greedy
+        # only (a sampled pass's outcome cannot be guessed), and not where
+        # recurrent layers need a snapshot per pass.
+        self.pipelined = pipeline and sampling.greedy and not self.recurrent
 
     @property
     def generated(self) -> int:
@@ -254,14 +294,21 @@ class PLDDecoder:
 
     def __iter__(self) -> Iterator[int]:
         with mx.stream(self.stream):
+            if self.policy.adaptive and not self.policy.calibrated:
+                self.policy.calibrate(self.model, self.cache, self.ctx[-1], self._verify_lengths())
             while True:
                 draft = self._choose_draft()
-                if draft:
+                if draft and self.pipelined:
+                    tokens = self._verify_run(draft)
+                elif draft:
                     tokens = self._verify(draft)
                 else:
                     tokens = self._plain_run()
                 for t in tokens:
                     yield t
+
+    def _verify_lengths(self) -> list[int]:
+        return [self.pad_to] if self.pad_to else sorted({2, self.max_lookup + 1})
 
     # -- choosing ---------------------------------------------------------
 
@@ -338,37 +385,93 @@ class PLDDecoder:
 
     # -- verify -------------------------------------------------------------
 
+    def _queue(self, first: int, draft: list[int]) -> "_Pass":
+        """Queue one forward pass over [first, *draft] (padded to the static
+        length where that is on); nothing is read back yet."""
+        m = len(draft)
+        length = self.pad_to if self.pad_to and self.pad_to > m + 1 else m + 1
+        inputs = [first] + draft + [draft[-1]] * (length - m - 1)  # pads: ignored
+        saved = _snapshot(self.cache, self.recurrent) if self.recurrent else None
+        logits = self.model(mx.array(inputs)[None], cache=self.cache)[0, : m + 1, :]
+        targets = None
+        if self.sampling.greedy:
+            targets = mx.argmax(logits, axis=-1)
+            mx.async_eval(targets)
+        self.stats.forward_passes += 1
+        return _Pass(draft, length, logits, targets, saved)
+
+    def _resolve(self, p: "_Pass") -> tuple[int, int]:
+        """(accepted draft tokens, the model's token after them): the one host sync."""
+        if p.targets is not None:
+            targets = p.targets.tolist()
+            n = 0
+            while n < len(p.draft) and p.draft[n] == targets[n]:
+                n += 1
+            bonus = targets[n]
+        else:
+            n, bonus = self._accept_sampled(p.logits, p.draft)
+        self.stats.pld_drafted += len(p.draft)
+        self.stats.pld_accepted += n
+        self._count(n, 1 if n < len(p.draft) else 0)
+        return n, bonus
+
     def _verify(self, draft: list[int]) -> list[int]:
         """One forward pass over [last, *draft]; returns the accepted drafts
         plus the model's own next token, with the cache rolled back to match."""
-        m = len(draft)
-        inputs = [self.ctx[-1]] + draft
-        length = self.pad_to if self.pad_to and self.pad_to > m + 1 else m + 1
-        inputs += [draft[-1]] * (length - len(inputs))  # static shape; ignored
-        saved = _snapshot(self.cache, self.recurrent) if self.recurrent else None
         start = time.perf_counter()
-        logits = self.model(mx.array(inputs)[None], cache=self.cache)[0, : m + 1, :]
-        n, bonus = self._accept(logits, draft)
-        cost = time.perf_counter() - start
-        self.policy.verify_s.setdefault(length, _Ema()).add(cost)
-        self.stats.forward_passes += 1
-        self.stats.pld_drafted += m
-        self.stats.pld_accepted += n
-        self._count(n, 1 if n < m else 0)
-        self._rollback(length, n, draft, saved)
+        p = self._queue(self.ctx[-1], draft)
+        n, bonus = self._resolve(p)
+        self.policy.verify_s.setdefault(p.length, _Ema()).add(time.perf_counter() - start)
+        self._rollback(p.length, n, draft, p.saved)
         out = draft[:n] + [bonus]
         self.ctx.extend(out)
         return out
 
-    def _accept(self, logits: mx.array, draft: list[int]) -> tuple[int, int]:
-        """(accepted draft tokens, the token after them)."""
-        if self.sampling.greedy:
-            targets = mx.argmax(logits, axis=-1).tolist()
-            n = 0
-            while n < len(draft) and draft[n] == targets[n]:
-                n += 1
-            return n, targets[n]
-        return self._accept_sampled(logits, draft)
+    def _verify_run(self, draft: list[int]) -> Iterator[int]:
+        """Greedy verify passes, each next one queued before the current one
+        is read back, on the guess that the current draft is accepted whole
+        and the model's next token is the one the lookup source has next.
+
+        The guess costs nothing to check: on a hit the queued pass is exactly
+        the pass we would have run, and the host sync overlaps it; on a miss
+        its cache entries are trimmed and one pass of device time is lost.
+        """
+        cur = self._queue(self.ctx[-1], draft)
+        last_read = time.perf_counter()
+        while True:
+            nxt, guess = self._speculate(cur)
+            n, bonus = self._resolve(cur)
+            now = time.perf_counter()
+            self.policy.verify_s.setdefault(cur.length, _Ema()).add(now - last_read)
+            last_read = now
+            hit = nxt is not None and n == len(cur.draft) and bonus == guess
+            extra = cur.length - (n + 1) + (nxt.length if nxt is not None and not hit else 0)
+            if extra:
+                for c in self.cache:
+                    c.trim(extra)
+            out = cur.draft[:n] + [bonus]
+            self.ctx.extend(out)
+            for token in out:
+                yield token
+            if not hit:
+                return
+            cur = nxt
+
+    def _speculate(self, cur: "_Pass") -> tuple["_Pass | None", int | None]:
+        """Queue the pass that follows `cur` if `cur` is accepted whole."""
+        if cur.length != len(cur.draft) + 1:
+            return None, None  # padded: the next pass would sit behind pad entries
+        limit = min(self.max_lookup, self.remaining() - len(cur.draft) - 2)
+        if limit <= 0:
+            return None, None
+        guess = find_draft(self.ctx + cur.draft, self.ngram_size, limit + 1)
+        if len(guess) < 2:
+            return None, None
+        rate = self.policy.acceptance(self.job_accepted, self.job_rejected)
+        m = self.policy.best_length(len(guess) - 1, rate, self.pad_to)
+        if m == 0:
+            return None, None
+        return self._queue(guess[0], guess[1 : 1 + m]), guess[0]
 
     def _accept_sampled(self, logits: mx.array, draft: list[int]) -> tuple[int, int]:
         # Position i draws from keys[t + i]: one half decides acceptance of
@@ -419,5 +522,6 @@ def pld_tokens(model, cache, prompt, sampling, keys, decode, stats, *, remaining
     decoder = PLDDecoder(
         model, cache, list(prompt), sampling, keys, decode.pld_ngram_size,
         decode.pld_max_lookup, stats, remaining, policy, pad_to, stream,
+        pipeline=decode.pld_pipeline,
     )  # fmt: skip
     return iter(decoder)

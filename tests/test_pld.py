@@ -78,10 +78,10 @@ def test_policy_acceptance_blends_job_and_run():
 # -- exactness on tiny models -----------------------------------------------------
 
 
-def pld_engine(path, static=False, adaptive=False):
+def pld_engine(path, static=False, adaptive=False, pipeline=True):
     cfg = EngineConfig(
         model=str(path), fuse=False,
-        decode=DecodeConfig(draft="pld", pld_static_shapes=static, pld_adaptive=adaptive),
+        decode=DecodeConfig(draft="pld", pld_static_shapes=static, pld_adaptive=adaptive, pld_pipeline=pipeline),
         prompt_cache=PromptCacheConfig(enabled=False),
     )  # fmt: skip
     return Engine.load(cfg)
@@ -91,9 +91,9 @@ LOOPY = ["ab ab ab ab ab", "import os\nimport os\nimport", "for i in range(10):\
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("static", [False, True])
-def test_pld_greedy_equals_plain_greedy(model_dir, arch, static):
-    engine = pld_engine(model_dir(arch), static=static)
+@pytest.mark.parametrize("static, pipeline", [(False, True), (True, True), (False, False), (True, False)])
+def test_pld_greedy_equals_plain_greedy(model_dir, arch, static, pipeline):
+    engine = pld_engine(model_dir(arch), static=static, pipeline=pipeline)
     drafted = 0
     for text in USER_TEXTS + LOOPY:
         plain = engine.run(make_job(text, max_tokens=40, draft="none"))
@@ -106,8 +106,9 @@ def test_pld_greedy_equals_plain_greedy(model_dir, arch, static):
     assert drafted > 0  # drafts were verified, not just skipped
 
 
-def test_pld_on_a_repeating_model_accepts_and_cuts_passes(model_dir):
-    engine = pld_engine(model_dir("qwen2", repeater=True))
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_pld_on_a_repeating_model_accepts_and_cuts_passes(model_dir, pipeline):
+    engine = pld_engine(model_dir("qwen2", repeater=True), pipeline=pipeline)
     plain = engine.run(make_job("hello hello", max_tokens=40, draft="none"))
     fast = engine.run(make_job("hello hello", max_tokens=40, draft="pld"))
     assert fast.text == plain.text
@@ -115,9 +116,10 @@ def test_pld_on_a_repeating_model_accepts_and_cuts_passes(model_dir):
     assert fast.stats.forward_passes <= 12 < plain.stats.forward_passes
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7, 13])
-def test_max_tokens_inside_an_accepted_draft(model_dir, max_tokens):
-    engine = pld_engine(model_dir("qwen2", repeater=True))
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7, 13, 26])
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_max_tokens_inside_an_accepted_draft(model_dir, max_tokens, pipeline):
+    engine = pld_engine(model_dir("qwen2", repeater=True), pipeline=pipeline)
     plain = engine.run(make_job("hello hello", max_tokens=max_tokens, draft="none"))
     fast = engine.run(make_job("hello hello", max_tokens=max_tokens, draft="pld"))
     assert fast.usage.completion_tokens == plain.usage.completion_tokens == max_tokens
@@ -125,9 +127,10 @@ def test_max_tokens_inside_an_accepted_draft(model_dir, max_tokens):
     assert fast.finish_reason == "length"
 
 
-@pytest.mark.parametrize("stop_len", [1, 3, 6])
-def test_stop_string_inside_an_accepted_draft(model_dir, stop_len):
-    engine = pld_engine(model_dir("qwen2", repeater=True))
+@pytest.mark.parametrize("stop_len", [1, 3, 6, 15])
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_stop_string_inside_an_accepted_draft(model_dir, stop_len, pipeline):
+    engine = pld_engine(model_dir("qwen2", repeater=True), pipeline=pipeline)
     full = engine.run(make_job("hello hello", max_tokens=20, draft="none")).text
     stop = full[2 : 2 + stop_len]
     plain = engine.run(make_job("hello hello", max_tokens=20, stop=[stop], draft="none"))

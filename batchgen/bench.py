@@ -1,0 +1,338 @@
+"""Side-by-side benchmark: plain mlx-lm against batchgen's engine, in one process.
+
+Both sides get the same prompt tokens, the same sampler settings and the same
+model weights (two copies, so fusion on one side leaves the other as mlx-lm
+loads it). Jobs alternate between the sides (plain first on even jobs,
+batchgen first on odd ones) after a warm-up on each, which cancels slow drift
+(clocks, allocator state) instead of charging it to one side.
+
+Both sides are timed the same way: time to first token (prefill + first
+step), then decode time from the first token to the last; decode tok/s =
+(tokens - 1) / decode time.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .config import EngineConfig, SamplingConfig
+from .engine import Engine, load_model
+from .jobs import NATIVE, Job, iter_jobs, scan_jobs
+
+# Real model shapes, random weights: for speed figures where quality does not matter.
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=1024, num_hidden_layers=16,
+                            intermediate_size=3072, num_attention_heads=16, num_key_value_heads=4,
+                            head_dim=64, num_experts=16, num_experts_per_tok=4,
+                            moe_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
+                            norm_topk_prob=True, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=384,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}  # fmt: skip
+SHAPE_COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    max_position_embeddings=65536, vocab_size=151936)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    engine: EngineConfig  # batchgen's side; `engine.model` is the path or a shape name
+    jobs_path: Path | None = None
+    shape: str | None = None
+    dtype: str = "bfloat16"
+    quantize_bits: int | None = None
+    max_jobs: int | None = None
+    warmup_jobs: int = 1
+    synthetic_prompt_tokens: int | None = None
+    synthetic_jobs: int = 4
+    max_tokens: int | None = None  # override every job's max_tokens
+    plain_kv_bits: int | None = None  # mlx-lm's own quantized KV cache on the plain side
+    seed: int = 0
+    tokenizer_path: Path | None = None  # for --shape models (default: the demo model's)
+
+
+@dataclass
+class Run:
+    """One job on one side."""
+
+    id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    decode_s: float
+    wall_s: float
+    forward_passes: int
+    peak_memory_gb: float
+    text: str
+    pld_drafted: int = 0
+    pld_accepted: int = 0
+    kv_bytes: int = 0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.completion_tokens - 1
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+
+@dataclass
+class Side:
+    name: str
+    runs: list = field(default_factory=list)
+
+    def summary(self) -> dict:
+        r = self.runs
+        decode_tokens = sum(max(x.completion_tokens - 1, 0) for x in r)
+        decode_s = sum(x.decode_s for x in r)
+        prefilled = sum(x.prompt_tokens - x.cached_tokens for x in r)
+        ttft = sum(x.ttft_s for x in r)
+        tokens = sum(x.completion_tokens for x in r)
+        out = {
+            "jobs": len(r),
+            "decode_tps": decode_tokens / decode_s if decode_s else 0.0,
+            "prefill_tps": prefilled / ttft if ttft else 0.0,
+            "ttft_s_mean": ttft / len(r) if r else 0.0,
+            "first_job_ttft_s": r[0].ttft_s if r else 0.0,
+            "wall_s": sum(x.wall_s for x in r),
+            "peak_memory_gb": max((x.peak_memory_gb for x in r), default=0.0),
+            "forward_passes_per_token": sum(x.forward_passes for x in r) / tokens if tokens else 0.0,
+            "completion_tokens": tokens,
+            "prompt_tokens": sum(x.prompt_tokens for x in r),
+            "cached_tokens": sum(x.cached_tokens for x in r),
+        }
+        drafted = sum(x.pld_drafted for x in r)
+        if drafted:
+            out["pld_acceptance"] = sum(x.pld_accepted for x in r) / drafted
+        kv = [x.kv_bytes for x in r if x.kv_bytes]
+        if kv:
+            out["kv_bytes_mean"] = sum(kv) / len(kv)
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Models
+
+
+def random_model(shape: str, dtype: str, quantize_bits: int | None, seed: int):
+    """A model of a real shape with random weights (the same for a given seed)."""
+    import importlib
+
+    import mlx.nn as nn
+
+    config = {**SHAPE_COMMON, **SHAPES[shape]}
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(getattr(mx, dtype))
+    if quantize_bits:
+        nn.quantize(model, group_size=64, bits=quantize_bits)
+        config["quantization"] = {"group_size": 64, "bits": quantize_bits}
+    mx.eval(model.parameters())
+    return model, config
+
+
+def load_pair(cfg: BenchConfig):
+    """(plain model, batchgen engine): two copies of the same weights."""
+    from .config import DEMO_MODEL_DIR
+
+    if cfg.shape:
+        from mlx_lm.utils import load_tokenizer
+
+        plain, config = random_model(cfg.shape, cfg.dtype, cfg.quantize_bits, cfg.seed)
+        ours, _ = random_model(cfg.shape, cfg.dtype, cfg.quantize_bits, cfg.seed)
+        tokenizer = load_tokenizer(Path(cfg.tokenizer_path or DEMO_MODEL_DIR))
+    else:
+        plain, tokenizer, config = load_model(cfg.engine.model)
+        ours, _, _ = load_model(cfg.engine.model)
+    engine = Engine(ours, copy.copy(tokenizer), cfg.engine, config)
+    if cfg.engine.fuse:
+        from .fusion import fuse_model
+
+        engine.fusion_report = fuse_model(ours)
+    mx.clear_cache()
+    return plain, tokenizer, engine, config
+
+
+# ---------------------------------------------------------------------------
+# Jobs
+
+
+def bench_jobs(cfg: BenchConfig, tokenizer) -> tuple[list[Job], str | None]:
+    """The jobs to run, and the shared system prompt to prewarm (if any)."""
+    if cfg.synthetic_prompt_tokens:
+        rng = np.random.default_rng(cfg.seed)
+        vocab = min(len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else 4000, 4000)
+        jobs = []
+        for i in range(cfg.synthetic_jobs + cfg.warmup_jobs):
+            ids = rng.integers(10, vocab, cfg.synthetic_prompt_tokens).tolist()
+            text = tokenizer.decode(ids)
+            jobs.append(Job(f"s{i}", i + 1, NATIVE, None, text, cfg.max_tokens or 200, SamplingConfig()))
+        return jobs, None
+    scan, defaults = scan_jobs(cfg.jobs_path, cfg.max_tokens or 256, None)
+    jobs = [j for j in iter_jobs(cfg.jobs_path, defaults, scan.format, scan.header_line) if isinstance(j, Job)]
+    if cfg.max_tokens:
+        jobs = [Job(**{**j.__dict__, "max_tokens": cfg.max_tokens}) for j in jobs]
+    if cfg.max_jobs:
+        jobs = jobs[: cfg.max_jobs + cfg.warmup_jobs]
+    return jobs, scan.header.system or scan.common_system
+
+
+# ---------------------------------------------------------------------------
+# The two sides
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def run_plain(model, tokenizer, tokens: list[int], job: Job, kv_bits: int | None) -> Run:
+    """mlx-lm's own `stream_generate` (its generate_step and sampler)."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    s = job.sampling
+    sampler = make_sampler(s.temperature, s.top_p, s.min_p, top_k=s.top_k)
+    if s.seed is not None:
+        mx.random.seed(s.seed)
+    kw = {} if kv_bits is None else {"kv_bits": kv_bits, "quantized_kv_start": 0}
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first = None
+    text, n = "", 0
+    for r in stream_generate(model, tokenizer, mx.array(tokens), max_tokens=job.max_tokens, sampler=sampler, **kw):
+        if first is None:
+            first = time.perf_counter()
+        text += r.text
+        n = r.generation_tokens
+        if job.stop:
+            text, hit = _cut_at_stop(text, job.stop)
+            if hit:
+                break
+    end = time.perf_counter()
+    return Run(job.id, len(tokens), 0, n, first - start, end - first, end - start, n,
+               mx.get_peak_memory() / 1e9, text)  # fmt: skip
+
+
+def run_batchgen(engine: Engine, job: Job) -> Run:
+    start = time.perf_counter()
+    r = engine.run(job)
+    wall = time.perf_counter() - start
+    if not r.ok:
+        raise RuntimeError(f"job {job.id} failed: {r.error.message}")
+    s = r.stats
+    return Run(r.id, r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.completion_tokens,
+               s.prefill_s, s.decode_s, wall, s.forward_passes, s.peak_memory_gb, r.text,
+               s.pld_drafted, s.pld_accepted, s.kv_bytes)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    import mlx_lm
+
+    from . import __version__
+
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "batchgen": __version__,
+            "python": platform.python_version()}  # fmt: skip
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict:
+    from .engine import device_name
+
+    plain_model, tokenizer, engine, config = load_pair(cfg)
+    jobs, system = bench_jobs(cfg, tokenizer)
+    if system and engine.pool is not None and cfg.engine.prompt_cache.prewarm:
+        engine.prewarm(system, "bench")
+    plain, ours = Side("mlx-lm"), Side("batchgen")
+    warm, measured = jobs[: cfg.warmup_jobs], jobs[cfg.warmup_jobs :]
+    for job in warm:
+        run_plain(plain_model, tokenizer, engine.prompt_tokens(job), job, cfg.plain_kv_bits)
+        run_batchgen(engine, job)
+    for i, job in enumerate(measured):
+        tokens = engine.prompt_tokens(job)
+        order = ("plain", "ours") if i % 2 == 0 else ("ours", "plain")
+        for side in order:
+            if side == "plain":
+                plain.runs.append(run_plain(plain_model, tokenizer, tokens, job, cfg.plain_kv_bits))
+            else:
+                ours.runs.append(run_batchgen(engine, job))
+        p, o = plain.runs[-1], ours.runs[-1]
+        log(f"{job.id}: mlx-lm {p.decode_tps:7.1f} tok/s  batchgen {o.decode_tps:7.1f} tok/s  "
+            f"ttft {p.ttft_s * 1e3:6.1f}/{o.ttft_s * 1e3:6.1f} ms  same={p.text == o.text}")  # fmt: skip
+    ps, os_ = plain.summary(), ours.summary()
+    ratio = {k: (os_[k] / ps[k] if ps.get(k) else None) for k in ("decode_tps", "prefill_tps", "wall_s", "ttft_s_mean", "peak_memory_gb")}
+    identical = sum(a.text == b.text for a, b in zip(plain.runs, ours.runs))
+    e = cfg.engine
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(),
+        "versions": versions(),
+        "model": cfg.shape or e.model,
+        "dtype": cfg.dtype if cfg.shape else str(config.get("torch_dtype")),
+        "quantize_bits": cfg.quantize_bits if cfg.shape else (config.get("quantization") or {}).get("bits"),
+        "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else f"synthetic {cfg.synthetic_prompt_tokens}-token prompts",
+        "batchgen": {"fuse": e.fuse, "draft": e.decode.draft, "kv_cache": e.kv.kind, "kv_bits": e.kv.bits,
+                     "prompt_cache": e.prompt_cache.enabled, "prewarm": e.prompt_cache.prewarm,
+                     "pld_ngram_size": e.decode.pld_ngram_size, "pld_max_lookup": e.decode.pld_max_lookup,
+                     "static_verify_shapes": engine.static_verify_shapes,
+                     "fusion": engine.fusion_report.as_dict() if engine.fusion_report else None},  # fmt: skip
+        "plain_kv_bits": cfg.plain_kv_bits,
+        "sides": {"mlx-lm": ps, "batchgen": os_},
+        "ratio_batchgen_over_plain": ratio,
+        "identical_outputs": identical,
+        "jobs": len(measured),
+        "per_job": {"mlx-lm": [_run_dict(r) for r in plain.runs], "batchgen": [_run_dict(r) for r in ours.runs]},
+    }
+
+
+def _run_dict(r: Run) -> dict:
+    d = asdict(r)
+    d.pop("text")
+    d["decode_tps"] = r.decode_tps
+    return d
+
+
+def save_results(result: dict, out_json: Path, out_png: Path | None) -> None:
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(result, indent=2) + "\n")
+    if out_png is not None:
+        plot(result, out_png)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Per-job decode tok/s of both sides, with each side's aggregate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, color in (("mlx-lm", "tab:gray"), ("batchgen", "tab:blue")):
+        tps = [r["decode_tps"] for r in result["per_job"][name]]
+        ax.plot(range(len(tps)), tps, "o", ms=3, color=color, label=f"{name}: {result['sides'][name]['decode_tps']:.1f} tok/s")
+        ax.axhline(result["sides"][name]["decode_tps"], color=color, lw=1, ls="--")
+    ratio = result["ratio_batchgen_over_plain"]["decode_tps"] or 0.0
+    ax.set_title(f"{result['model']} on {result['device']}: decode {ratio:.2f}x, "
+                 f"{result['identical_outputs']}/{result['jobs']} identical", fontsize=10)  # fmt: skip
+    ax.set_xlabel("job")
+    ax.set_ylabel("decode tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
