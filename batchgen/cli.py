@@ -69,6 +69,14 @@ def _parse_bytes(text: str | None) -> int | None:
     return int(value)
 
 
+def _parse_batch_size(text: str | None):
+    if text is None or text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise click.BadParameter(f"--batch-size must be a positive integer or 'auto', got {text!r}")
+
+
 @click.group()
 @click.version_option(__version__, prog_name="batchgen")
 def main():
@@ -93,13 +101,15 @@ def main():
 @click.option("--prompt-cache-bytes", default=None, help="Pool byte budget, e.g. 4GB (default: a tenth of memory).")
 @click.option("--prompt-cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save/load the prewarmed cache here.")
 @click.option("--prewarm-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="System prompt to prewarm when the file has none.")
+@click.option("--batch-size", default=None, help="Jobs decoding together: N, or auto (fit the KV budget); default 1 on a CPU, 32 on a GPU.")
+@click.option("--kv-budget", default=None, help="Memory for the batch's KV cache, e.g. 20GB (default: half the free memory).")
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the run summary JSON here.")
 @click.option("--retry-failed", is_flag=True, help="On resume, run again the jobs whose earlier line is an error.")
 @click.option("--no-fsync", is_flag=True, help="Flush each line but skip fsync.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
 def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
         kv_cache, kv_bits, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
-        prewarm_file, summary_path, retry_failed, no_fsync, quiet):  # fmt: skip
+        prewarm_file, batch_size, kv_budget, summary_path, retry_failed, no_fsync, quiet):  # fmt: skip
     """Generate a result line for every job in JOBS (a JSONL file, or - for stdin)."""
     _setup_logging(quiet)
     from .runner import RunError, default_output, run_jobs, spool_stdin
@@ -116,6 +126,9 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
             cache_dir=prompt_cache_dir,
             prewarm_file=prewarm_file,
         ),
+        # TurboQuant is the batch-size-1 path: asking for it picks that path.
+        batch_size=_parse_batch_size(batch_size) or (1 if kv_cache == "turboquant" else None),
+        kv_budget_bytes=_parse_bytes(kv_budget),
     )
     cfg = RunConfig(
         jobs_path=jobs,

@@ -75,7 +75,8 @@ class EngineConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
-    batch_size: int = 1
+    batch_size: int | str | None = 1  # None: the device's default; "auto": fit the KV budget
+    kv_budget_bytes: int | None = None  # batch KV cache budget (None: half the free memory)
     prefill_step_size: int = 2048
 
 

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import pld
-from .config import DecodeConfig, EngineConfig, KVConfig
+from .config import DEFAULT_MAX_TOKENS, DecodeConfig, EngineConfig, KVConfig
 from .jobs import BadJob, Job
 from .prompt_cache import (
     PromptPool,
@@ -104,6 +104,20 @@ def model_digest(spec: str, config: dict, fused: bool) -> str:
 def context_length(config: dict) -> int | None:
     cfg = config.get("text_config", config)
     return cfg.get("max_position_embeddings") or config.get("max_position_embeddings")
+
+
+def default_batch_size() -> int:
+    """Batching pays where a step is bound by per-pass overhead, as on a GPU;
+    on a CPU a step costs in proportion to its rows."""
+    return 32 if mx.default_device().type == mx.gpu else 1
+
+
+def default_kv_budget() -> int:
+    """Bytes the batch's KV cache may take: half of the memory left after the model."""
+    from .prompt_cache import default_pool_bytes
+
+    total = default_pool_bytes() * 10
+    return max((total - mx.get_active_memory()) // 2, 1 << 28)
 
 
 def device_name() -> str:
@@ -238,6 +252,7 @@ class Engine:
         self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
         self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
+        self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget()
         static = config.decode.pld_static_shapes
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
 
@@ -346,8 +361,19 @@ class Engine:
 
     # -- jobs -------------------------------------------------------------
 
-    def run_all(self, items: Iterable[Job | BadJob]) -> Iterator[Result]:
-        """Results in completion order (sequential: job order)."""
+    def run_all(self, items: Iterable[Job | BadJob], total: int | None = None) -> Iterator[Result]:
+        """Results in completion order (sequential: job order). `total`, the
+        number of jobs coming, caps the batch size."""
+        rows = self.resolve_batch_size(total)
+        if rows > 1:
+            from .batch import BatchScheduler, supports_batching
+
+            ok, why = supports_batching(self.make_cache(KVConfig()))
+            if ok:
+                log.info(f"batched decoding: up to {rows} jobs per step")
+                yield from BatchScheduler(self, rows, self.kv_budget_bytes).run(items)
+                return
+            log.info(f"batched decoding off: {why}; jobs run one at a time")
         for item in items:
             if isinstance(item, BadJob):
                 yield failed_result(item, item.kind, item.message, item.metadata)
@@ -361,6 +387,26 @@ class Engine:
             return failed_result(job, e.kind, str(e), job.metadata)
         except Exception as e:
             return failed_result(job, "generation_error", f"{type(e).__name__}: {e}", job.metadata)
+
+    def resolve_batch_size(self, total: int | None = None) -> int:
+        """The batch size: as configured, the device's default, or ("auto")
+        as many rows as the KV budget holds at the default job length."""
+        b = self.config.batch_size
+        if b is None:
+            b = default_batch_size()
+        elif b == "auto":
+            from .batch import BatchScheduler
+
+            per_token = self._kv_bytes_per_token()
+            b = BatchScheduler.auto_size(self.kv_budget_bytes, per_token, 1024 + DEFAULT_MAX_TOKENS)
+        return max(1, min(b, total)) if total else b
+
+    def _kv_bytes_per_token(self) -> int:
+        from .batch import kv_bytes_per_token
+
+        cache = self.make_cache(KVConfig())
+        self.model(mx.array([[0]]), cache=cache)
+        return kv_bytes_per_token([c for c in cache if hasattr(c, "keys")])
 
     def _run(self, job: Job) -> Result:
         timer = Timer()

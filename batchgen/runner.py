@@ -83,7 +83,7 @@ def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool) -> Outcome:
     bar = _progress_bar(scan.jobs - summary.skipped, progress)
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
-        for result in engine.run_all(todo):
+        for result in engine.run_all(todo, total=scan.jobs - summary.skipped):
             writer.write(result)
             summary.add(result)
             if not result.ok:

@@ -27,8 +27,12 @@ def job_seed(sampling: SamplingConfig) -> int:
 
 
 def make_keys(seed: int, n: int) -> mx.array:
-    """`n` independent PRNG keys, one per generated token."""
-    return mx.random.split(mx.random.key(seed % (1 << 63)), max(n, 1))
+    """PRNG keys for the first `n` generated tokens: row t is
+    `mx.random.key((seed << 32) | t)`, so token t's key depends on the seed and
+    t alone, never on how many keys were made (as `split(key, n)`'s would)."""
+    n = max(n, 1)
+    seed32 = mx.full((n,), seed % (1 << 32), dtype=mx.uint32)
+    return mx.stack([seed32, mx.arange(n, dtype=mx.uint32)], axis=1)
 
 
 def target_logits(logits: mx.array, s: SamplingConfig) -> mx.array:
