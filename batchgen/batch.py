@@ -17,13 +17,15 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
   tokens of all rows come back in one transfer.
 
 Rows share the left-padded buffer; when every live row has at least
-`_COMPACT_PAD` positions of padding, the common padding is cut off.
+`_COMPACT_PAD` positions of padding, the common padding is cut off. Once the
+job stream is exhausted and at most half the rows are live, the batch shrinks
+to the live rows, so the tail of a run does not pay for empty rows.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 import mlx.core as mx
@@ -37,8 +39,9 @@ from .stats import JobStats, Result, Timer, Usage
 
 log = logging.getLogger("batchgen")
 
-_GROW_STEP = 256  # left growth of the shared buffer, in positions
-_COMPACT_PAD = 512
+_GROW_STEP = 32  # left growth of the shared buffer, in positions
+_COMPACT_PAD = 32  # cut common left padding once it is this long ...
+_COMPACT_EVERY = 16  # ... looking every this many steps
 
 
 def supports_batching(cache: list) -> tuple[bool, str]:
@@ -70,16 +73,19 @@ class Row:
     keys: mx.array | None
     stats: JobStats
     timer: Timer
-    queued: int = 0  # steps queued for this job (the next token's index)
-    first_token_s: float | None = None
-    live_from_step: int = 0  # tokens of earlier steps in this row belong to someone else
     job_cache: list | None = None  # its own prefilled cache, until placed in the batch
+    pending_input: int | None = None  # the prompt's last token, fed by the next step
+    queued: int = 0  # steps queued for this job (the next token's index)
+    live_from_step: int = 0  # this row's tokens from earlier steps were someone else's
+    first_token_s: float | None = None
+    done: bool = False
 
 
 @dataclass
 class _Step:
     tokens: mx.array  # (B,) sampled, being evaluated
     step: int
+    rows: list  # the rows at queue time, in batch order
 
 
 class BatchScheduler:
@@ -91,11 +97,12 @@ class BatchScheduler:
         self.B = batch_size
         self.budget = kv_budget_bytes
         self.per_token = 0  # KV bytes per token, known after the first prefill
-        self.layers = len(engine.make_cache(engine.config.kv))
+        layers = len(engine.make_cache(engine.config.kv))
         self.rows: list[Row | None] = [None] * batch_size
-        self.cache = [BatchKVCache([0] * batch_size) for _ in range(self.layers)]
+        self.cache = [BatchKVCache([0] * batch_size) for _ in range(layers)]
         self.step = 0
-        self._pending_inputs: dict[int, int] = {}  # row -> prompt's last token, fed next step
+        self.exhausted = False  # the job stream has ended
+        self._gather: mx.array | None = None  # row order change for the next step's inputs
         self.logged_overrides = False
 
     @staticmethod
@@ -103,15 +110,18 @@ class BatchScheduler:
         """Rows whose worst-case KV (each row `tokens_per_job` long) fits the budget."""
         return max(1, min(cap, kv_budget_bytes // max(per_token_bytes * tokens_per_job, 1)))
 
+    @property
+    def live(self) -> int:
+        return sum(r is not None for r in self.rows)
+
     # -- admission ----------------------------------------------------------
 
-    def _worst_len(self, extra: Row | None = None) -> int:
-        rows = [r for r in self.rows if r is not None] + ([extra] if extra else [])
-        return max((len(r.tokens) + r.job.max_tokens for r in rows), default=0)
+    def _worst_len(self, extra: Row) -> int:
+        rows = [r for r in self.rows if r is not None] + [extra]
+        return max(len(r.tokens) + r.job.max_tokens for r in rows)
 
     def _fits(self, row: Row) -> bool:
-        live = sum(r is not None for r in self.rows)
-        if live == 0:
+        if self.live == 0:
             return True  # a job that alone exceeds the budget still runs, alone
         return self.B * self._worst_len(row) * self.per_token <= self.budget
 
@@ -128,44 +138,39 @@ class BatchScheduler:
         if (plan.decode.draft == "pld" or plan.kv.kind != "fp16") and not self.logged_overrides:
             log.info("batched decoding: jobs run with plain decoding over an fp16 KV cache (PLD and TurboQuant are the batch-size-1 path)")
             self.logged_overrides = True
-        fp16 = type(plan)(decode=plan.decode, kv=type(plan.kv)(kind="fp16", bits=plan.kv.bits))
+        fp16 = replace(plan, kv=replace(plan.kv, kind="fp16"))
         cache, cached = e._cache_for(tokens, fp16)
         prefill(self.model, cache, tokens[cached:-1], e.config.prefill_step_size)
         if e.pool is not None and cached < len(tokens) - 1:
             e.pool.insert(tokens[:-1], clone_cache(cache), fp16.kv_kind)
-        keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
-        stats = JobStats(draft="none", kv_cache="fp16")
         if not self.per_token:
             self.per_token = kv_bytes_per_token(cache)
+        keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
+        stats = JobStats(draft="none", kv_cache="fp16")
         return Row(job, tokens, cached, text, keys, stats, timer, job_cache=cache)
 
     def _place(self, index: int, row: Row) -> None:
         """Write the job's prompt KV into batch row `index`, ending at the
-        batch's write position."""
+        batch's write position (all rows write there next)."""
         n = len(row.tokens) - 1
+        if n > self.cache[0]._idx:
+            self._grow_left(n - self.cache[0]._idx)
         idx = self.cache[0]._idx
-        if n > idx:
-            self._grow_left(n - idx)
-            idx = self.cache[0]._idx
         for bc, jc in zip(self.cache, row.job_cache):
             if n:
-                k, v = jc.state[0][..., :n, :], jc.state[1][..., :n, :]
+                k, v = jc.keys[..., :n, :], jc.values[..., :n, :]
                 if bc.keys is None:
-                    self._allocate(bc, k, v)
+                    shape = (self.B, k.shape[1], idx, k.shape[3])
+                    bc.keys, bc.values = mx.zeros(shape, k.dtype), mx.zeros(shape[:3] + v.shape[3:], v.dtype)
                 bc.keys[index : index + 1, :, idx - n : idx, :] = k
                 bc.values[index : index + 1, :, idx - n : idx, :] = v
             bc.left_padding[index] = idx - n
             bc.offset[index] = n
         row.job_cache = None
+        row.pending_input = row.tokens[-1]
         row.live_from_step = self.step
         self.rows[index] = row
-        self._pending_inputs[index] = row.tokens[-1]
-
-    def _allocate(self, bc: BatchKVCache, k: mx.array, v: mx.array) -> None:
-        size = bc._idx
-        bc.keys = mx.zeros((self.B, k.shape[1], size, k.shape[3]), k.dtype)
-        bc.values = mx.zeros((self.B, v.shape[1], size, v.shape[3]), v.dtype)
 
     def _grow_left(self, need: int) -> None:
         grow = -(-need // _GROW_STEP) * _GROW_STEP
@@ -178,6 +183,7 @@ class BatchScheduler:
             bc.left_padding = bc.left_padding + grow
 
     def _compact(self) -> None:
+        """Cut the left padding that every live row has."""
         live = [i for i, r in enumerate(self.rows) if r is not None]
         if not live or self.cache[0].keys is None:
             return
@@ -191,32 +197,51 @@ class BatchScheduler:
             bc._idx -= cut
             bc.left_padding = mx.maximum(bc.left_padding - cut, 0)
 
+    def _shrink(self) -> None:
+        """Drop empty rows once no more jobs can come to fill them."""
+        keep = [i for i, r in enumerate(self.rows) if r is not None]
+        if not self.exhausted or not keep or len(keep) > self.B // 2:
+            return
+        index = mx.array(keep)
+        for bc in self.cache:
+            if bc.keys is not None:
+                bc.keys, bc.values = bc.keys[index], bc.values[index]
+            bc.offset, bc.left_padding = bc.offset[index], bc.left_padding[index]
+        self.rows = [self.rows[i] for i in keep]
+        self.B = len(keep)
+        self._gather = index if self._gather is None else self._gather[index]
+
     # -- decoding -----------------------------------------------------------
+
+    def _inputs(self, prev: _Step | None) -> mx.array:
+        """Each row's next input: its last sampled token, or its prompt's last."""
+        inputs = mx.zeros((self.B,), mx.uint32) if prev is None else prev.tokens.astype(mx.uint32)
+        if self._gather is not None and prev is not None:
+            inputs = inputs[self._gather]
+        self._gather = None
+        fresh = [i for i, r in enumerate(self.rows) if r is not None and r.pending_input is not None]
+        if fresh:
+            values, mask = [0] * self.B, [False] * self.B
+            for i in fresh:
+                values[i], mask[i] = self.rows[i].pending_input, True
+                self.rows[i].pending_input = None
+            inputs = mx.where(mx.array(mask), mx.array(values, mx.uint32), inputs)
+        return inputs
 
     def _queue_step(self, prev: _Step | None) -> _Step:
         """Queue one forward pass over every row; nothing is read back."""
-        if prev is None:
-            inputs = mx.zeros((self.B,), mx.uint32)
-        else:
-            inputs = prev.tokens.astype(mx.uint32)
-        if self._pending_inputs:
-            p = self._pending_inputs
-            fresh = mx.array([p.get(i, 0) for i in range(self.B)], mx.uint32)
-            is_fresh = mx.array([i in p for i in range(self.B)])
-            inputs = mx.where(is_fresh, fresh, inputs)
-            p.clear()
-        logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
+        logits = self.model(self._inputs(prev)[:, None], cache=self.cache)[:, -1, :]
         tokens = mx.argmax(logits, axis=-1)
         for i, row in enumerate(self.rows):
             if row is not None and not row.job.sampling.greedy:
-                t = pick(logits[i : i + 1], row.job.sampling, row.keys[min(row.queued, row.keys.shape[0] - 1)])
-                tokens = mx.where(mx.arange(self.B) == i, t, tokens)
+                key = row.keys[min(row.queued, row.keys.shape[0] - 1)]
+                tokens = mx.where(mx.arange(self.B) == i, pick(logits[i : i + 1], row.job.sampling, key), tokens)
         for row in self.rows:
             if row is not None:
                 row.queued += 1
                 row.stats.forward_passes += 1
         mx.async_eval(tokens)
-        step = _Step(tokens, self.step)
+        step = _Step(tokens, self.step, list(self.rows))
         self.step += 1
         return step
 
@@ -224,14 +249,15 @@ class BatchScheduler:
         """Hand each live row its token; return the jobs that finished."""
         values = step.tokens.tolist()
         done = []
-        for i, row in enumerate(self.rows):
-            if row is None or step.step < row.live_from_step:
+        for i, row in enumerate(step.rows):
+            if row is None or row.done or step.step < row.live_from_step:
                 continue
             if row.first_token_s is None:
                 row.first_token_s = row.timer.elapsed_s
             if row.text.add(values[i]):
+                row.done = True
                 done.append(self._finish(row))
-                self.rows[i] = None
+                self.rows[self.rows.index(row)] = None
         return done
 
     def _finish(self, row: Row) -> Result:
@@ -253,39 +279,37 @@ class BatchScheduler:
             stats=s, metadata=job.metadata, model_name=job.model_name,
         )  # fmt: skip
 
+    def _next_item(self, waiting: list, source: Iterator):
+        if waiting:
+            return waiting.pop(0)
+        item = next(source, None)
+        if item is None:
+            self.exhausted = True
+        return item
+
     def _admit(self, waiting: list, source: Iterator) -> Iterator[Result]:
-        """Fill free rows from the job stream; yields results of jobs that
-        failed before entering (bad lines, prompts too long)."""
+        """Fill free rows from the job stream; yields the results of jobs that
+        fail before entering (bad lines, prompts too long)."""
         for i in range(self.B):
-            if self.rows[i] is not None:
-                continue
-            while True:
-                if not waiting:
-                    item = next(source, None)
-                    if item is None:
-                        return
-                    waiting.append(item)
-                item = waiting[0]
+            while self.rows[i] is None:
+                item = self._next_item(waiting, source)
+                if item is None:
+                    return
                 if isinstance(item, BadJob):
-                    waiting.pop(0)
                     yield failed_result(item, item.kind, item.message, item.metadata)
                     continue
                 try:
                     row = item if isinstance(item, Row) else self._start(item)
                 except JobRunError as e:
-                    waiting.pop(0)
                     yield failed_result(item, e.kind, str(e), item.metadata)
                     continue
                 except Exception as e:
-                    waiting.pop(0)
                     yield failed_result(item, "generation_error", f"{type(e).__name__}: {e}", item.metadata)
                     continue
                 if not self._fits(row):
-                    waiting[0] = row  # keep its prefill; wait for rows to free
+                    waiting.insert(0, row)  # keeps its prefill; waits for rows to free
                     return
-                waiting.pop(0)
                 self._place(i, row)
-                break
 
     def run(self, items: Iterable[Job | BadJob]) -> Iterator[Result]:
         source = iter(items)
@@ -293,14 +317,13 @@ class BatchScheduler:
         with mx.stream(generation_stream):
             yield from self._admit(waiting, source)
             prev = None
-            while True:
-                live = any(r is not None for r in self.rows)
-                if not live and prev is None:
-                    return
-                cur = self._queue_step(prev) if live else None
+            while self.live or prev is not None:
+                # queue the next step before reading the current one back
+                cur = self._queue_step(prev) if self.live else None
                 if prev is not None:
                     yield from self._read(prev)
                     yield from self._admit(waiting, source)
                 prev = cur
-                if self.step % 64 == 0:
+                if self.step % _COMPACT_EVERY == 0:
                     self._compact()
+                self._shrink()

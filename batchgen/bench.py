@@ -336,3 +336,75 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# Throughput with many jobs in flight: batchgen's batches against mlx-lm's
+# `batch_generate` on the same prompts.
+
+
+def _repeat_jobs(jobs: list[Job], n: int) -> list[Job]:
+    """`n` jobs cycling through `jobs`, with distinct ids."""
+    return [Job(**{**jobs[i % len(jobs)].__dict__, "id": f"{jobs[i % len(jobs)].id}#{i}"}) for i in range(n)]
+
+
+def run_throughput(cfg: BenchConfig, batch_sizes: list[int], n_jobs: int, sequential_jobs: int = 32, log=print) -> dict:
+    from mlx_lm.generate import batch_generate
+
+    from .engine import device_name
+
+    plain_model, tokenizer, engine, config = load_pair(cfg)
+    base, _ = bench_jobs(cfg, tokenizer)
+    jobs = _repeat_jobs(base, n_jobs)
+    prompts = [engine.prompt_tokens(j) for j in jobs]
+    max_tokens = [j.max_tokens for j in jobs]
+
+    def ours(b: int, subset: list[Job]):
+        engine.batch_size = b
+        object.__setattr__(engine.config, "batch_size", b)
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        results = list(engine.run_all(subset, total=len(subset)))
+        wall = time.perf_counter() - start
+        return wall, results, mx.get_peak_memory() / 1e9
+
+    def plain(b: int, n: int):
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        r = batch_generate(plain_model, tokenizer, prompts[:n], max_tokens=max_tokens[:n],
+                           completion_batch_size=b, prefill_batch_size=min(b, 8))  # fmt: skip
+        return time.perf_counter() - start, r.texts, mx.get_peak_memory() / 1e9
+
+    plain(min(batch_sizes), min(4, len(jobs)))  # warm-up, both sides
+    ours(min(batch_sizes), jobs[:4])
+    rows = []
+    for b in batch_sizes:
+        n = len(jobs) if b > 1 else min(sequential_jobs, len(jobs))
+        p_wall, p_texts, p_mem = plain(b, n)
+        o_wall, o_results, o_mem = ours(b, jobs[:n])
+        o_tokens = sum(r.usage.completion_tokens for r in o_results)
+        by_id = {r.id: r.text or "" for r in o_results}
+        same = sum(by_id.get(j.id, "").strip() == t.strip() for j, t in zip(jobs[:n], p_texts))
+        p_tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in p_texts)
+        row = {
+            "batch_size": b, "jobs": n,
+            "mlx_lm_batch_generate": {"wall_s": p_wall, "tokens_per_s": p_tokens / p_wall, "peak_memory_gb": p_mem},
+            "batchgen": {"wall_s": o_wall, "tokens_per_s": o_tokens / o_wall, "completion_tokens": o_tokens,
+                         "peak_memory_gb": o_mem},
+            "ratio_tokens_per_s": (o_tokens / o_wall) / (p_tokens / p_wall) if p_tokens else None,
+            "identical_outputs": same,
+        }  # fmt: skip
+        rows.append(row)
+        log(f"batch {b:3d} ({n} jobs): batch_generate {row['mlx_lm_batch_generate']['tokens_per_s']:8.1f} tok/s, "
+            f"batchgen {row['batchgen']['tokens_per_s']:8.1f} tok/s ({row['ratio_tokens_per_s']:.2f}x), "
+            f"identical {same}/{n}, peak {p_mem:.2f}/{o_mem:.2f} GB")  # fmt: skip
+    seq = next((r for r in rows if r["batch_size"] == 1), None)
+    for r in rows:
+        if seq:
+            r["batchgen_over_batchgen_sequential"] = r["batchgen"]["tokens_per_s"] / seq["batchgen"]["tokens_per_s"]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
+        "dtype": cfg.dtype if cfg.shape else str(config.get("torch_dtype")),
+        "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic", "rows": rows,
+    }  # fmt: skip

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+import json
+
 import click
 import orjson
 
@@ -211,9 +213,12 @@ def validate(jobs, max_tokens):
 @click.option("--out", "out_json", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench/results/bench.json"), show_default=True)
 @click.option("--png", "out_png", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Plot (default: next to --out).")
 @click.option("--no-png", is_flag=True)
+@click.option("--throughput", "batch_sizes", default=None,
+              help="Comma-separated batch sizes: whole-file throughput against mlx-lm's batch_generate.")
+@click.option("--jobs-total", type=click.IntRange(min=1), default=256, show_default=True, help="With --throughput: jobs, cycling JOBS.")
 def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
           draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, kv_cache, kv_bits, plain_kv_bits,
-          no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png):  # fmt: skip
+          no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
     _setup_logging(quiet=True)
     from .bench import BenchConfig, run_bench, save_results
@@ -234,6 +239,15 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
         plain_kv_bits=int(plain_kv_bits) if plain_kv_bits else None,
         tokenizer_path=Path(model) if (shape and model) else None,
     )  # fmt: skip
+    if batch_sizes:
+        from .bench import run_throughput
+
+        sizes = [int(b) for b in batch_sizes.split(",")]
+        result = run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True))
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(result, indent=2) + "\n")
+        click.echo(f"wrote {out_json}")
+        return
     result = run_bench(cfg, log=lambda line: click.echo(line, err=True))
     png = None if no_png else (out_png or out_json.with_suffix(".png"))
     save_results(result, out_json, png)
