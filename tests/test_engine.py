@@ -127,3 +127,19 @@ def test_stats_are_filled(model_dir):
     assert s.kv_cache == "fp16" and s.kv_bytes > 0 and s.peak_memory_gb > 0
     assert s.forward_passes >= 10
     assert r.usage.prompt_tokens == len(engine.prompt_tokens(make_job(USER_TEXTS[0])))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_engine_equals_unfused_mlx_lm(model_dir, arch):
+    from mlx_lm import load
+
+    path = model_dir(arch)
+    cfg = EngineConfig(model=str(path), fuse=True, decode=DecodeConfig(draft="none"),
+                       prompt_cache=PromptCacheConfig(enabled=False))  # fmt: skip
+    engine = Engine.load(cfg)
+    assert engine.fusion_report.qkv > 0
+    model, tokenizer = load(str(path))
+    for text in USER_TEXTS[:2]:
+        job = make_job(text)
+        want = generate(model, tokenizer, prompt=engine.prompt_tokens(job), max_tokens=job.max_tokens)
+        assert engine.run(job).text == want
