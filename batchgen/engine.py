@@ -305,7 +305,10 @@ class Engine:
         if kv.kind == "turboquant":
             from .turboquant import make_turboquant_cache
 
-            return make_turboquant_cache(self.model, bits=kv.bits)
+            # Exact trims up to what a pipelined verify can roll back: its own
+            # pass and the speculative one behind it.
+            reserve = 2 * (self.config.decode.pld_max_lookup + 1)
+            return make_turboquant_cache(self.model, bits=kv.bits, trim_reserve=reserve)
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self.model)

@@ -1,0 +1,999 @@
+"""TurboQuant KV cache: random rotation + Lloyd-Max scalar codes, for mlx-lm models.
+
+Codec (Zandieh et al. 2025, "TurboQuant", the MSE variant): each key or value vector x
+(one head, one token) is stored as
+    codes   b-bit index per coordinate of  sqrt(d) * R x / ||x||  into the Lloyd-Max
+            codebook of N(0, 1), packed into uint32 words (3 and 5 bits straddle words)
+    scale   one float16: ||x|| * sqrt(d) / ||codebook values||, so the reconstruction
+            is exactly as long as x (removes the MSE quantizer's shrinkage of |q.k|)
+R is a seeded random orthogonal map: random signs then the normalised Walsh-Hadamard
+transform for power-of-two head dims, a dense random orthogonal matrix otherwise. After
+R every coordinate of a unit vector has the same law (Beta, ~N(0, 1/d)) whatever x is:
+outlier channels are spread over all coordinates and one data-free codebook serves all
+vectors, with no per-group scales or zero points.
+
+Cache (`TurboQuantKVCache`, mlx-lm's cache protocol), and why it beats a plain
+"K and V at 4 bits from the first token" (which lost to mlx-lm's affine 4-bit cache):
+  * keys get more bits than values (bits=4: K 5 / V 3). A key error moves a softmax
+    logit and is scaled by |q|; a value error is averaged over the attended tokens.
+  * the last `window` (8) tokens are read uncompressed by each query, and the first
+    `sink_tokens` (4) tokens are kept uncompressed. Trained models put much of their
+    attention on the few most recent tokens, and LLMs on the first one (the attention
+    sink). The window is the largest single gain on the trained model (KL / 3.5 to
+    / 5); the sinks matter most on the synthetic data (attention output error / 2).
+  * every token is encoded once, on arrival, from its own vector only, so codes never
+    depend on chunking. The exact copies of the last `window - 1 + trim_reserve`
+    tokens make trims of up to `trim_reserve` (5, the engine's default draft length)
+    tokens exact too.
+  Tried and not kept: the QJL residual bit (TurboQuant_prod; unbiased scores but more
+  variance: twice the attention error of the same bits spent on the MSE codes), the
+  exact Beta codebook of dimension d (no gain), subtracting a per-head key mean (mixed).
+
+Attention. `update_and_fetch` returns the keys/values dequantized to the model dtype,
+with the new chunk and the `window - 1` tokens before it exact, so any model's
+attention works unchanged. `make_turboquant_cache` also calls `install_attention`: the
+layers' attention then calls `TurboQuantKVCache.attention`, which rotates the L_q
+queries instead of un-rotating all L keys and values, applies the stored scales to the
+L_q x L scores and probabilities instead of to the L x d keys and values (q.k_j =
+scale_j / sqrt(d) * q.c_j), and reads each query's own window exactly -- the same
+result for any chunking (prefill chunks, prompt-cache reuse, prompt-lookup verify).
+The dequantized fetch is then never computed (MLX is lazy). What the cache holds is
+codes, scales, sinks and the recent copies; the per-step codebook lookup of the history
+is transient, one layer at a time. A fused kernel that scores straight from the packed
+codes (no L x d temporary) is the next step for GPU speed.
+
+Bits (`--kv-bits` is the nominal bits per coordinate, averaged over K and V):
+    bits=4: K 5, V 3    bits=3: K 4, V 2    bits=2: K 2, V 2
+Bytes per token per kv head and layer: (kb + vb) * d / 8 for codes + 4 for the two
+scales, against 4 * d for fp16 (0.266x at d=64, 0.258x at d=128, bits=4), plus
+(sink_tokens + window - 1 + trim_reserve) = 16 exact tokens. nbytes (the allocated
+bytes, capacity in 256-token steps like mlx-lm's KVCache) is <= 0.30x of an fp16
+KVCache's from 512 tokens on for head_dim 64 and 128 at bits=4; below that the 16
+exact tokens dominate. mlx-lm's affine 4-bit cache holds 9 bits per coordinate pair
+(0.281x); this cache holds fewer bytes than it from ~700 tokens (d=128) or ~1000
+tokens (d=64) on.
+
+Evidence: bench/turboquant_quality.py (KL of next-token distributions against an fp32
+cache, teacher-forced decode of 64 tokens after a 256-token prefill; lower is better;
+"trained" is a 4-layer llama trained on Python source, the others random-weight tiny
+models, "+kbias" with key outlier channels):
+                              x fp16   trained  +kbias  llama  qwen3  qwen3_moe  synth
+                              d=128/64   KL      KL      KL     KL      KL      err/TV
+    mlx affine 4b g64       0.281/.281  .0100   .252   .0281  .0093   .0369   .23/.087
+    tq K4/V4 (plain)        0.258/.266  .0137   .136   .0274  .0082   .0550   .18/.061
+    tq K4/V4 +sink4         0.261/.268  .0149   .134   .0263  .0080   .0512   .08/.029
+    tq K5/V3 +sink4         0.261/.268  .0126   .088   .0521  .0215   .0667   .09/.016
+    tq K4/V4 +sink4 +win8   0.272/.280  .0043   .133   .0258  .0076   .0428   .08/.029
+    tq K5/V3 +sink4 +win8   0.272/.280  .0026   .086   .0505  .0206   .0641   .09/.016
+     = TurboQuantKVCache(4)             .0024   .086   .0509  .0255   .0661
+    tq K4(3+QJL)/V4         0.262/.273    -       -      -      -       -     .32/.126
+    mlx affine 3b g64       0.219/.219  .0719   .622   .1149  .0349   .1222   .47/.177
+    tq K3/V3 +sink4 +win8   0.210/.218  .0167   .329   .0953  .0305   .0894   .15/.057
+    tq K4/V2 +sink4 +win8   0.210/.218  .0189   .264   .1798  .0740   .1787   .17/.029
+     = TurboQuantKVCache(3)             .0126   .289   .1506  .0743   .1630
+    mlx affine 2b g64       0.156/.156  .340    .957   .415   .151    .277    .74/.299
+     = TurboQuantKVCache(2) 0.148/.156  .0430   .699   .263   .112    .220
+
+  (2 sequences per model: differences under ~25% are noise. On the trained model with
+  8 sequences: K5/V3 .0027 vs K4/V4 .0050 (+sink4 +win8); K4/V2 .0126 vs K3/V3 .0126.
+  qwen3_5's two attention layers barely move its logits (all KL < .005). synth: relative
+  error of the attention output / softmax total variation, d=128.)
+
+  Reading: on the trained model the minimal codec (K4/V4) is worse than affine 4-bit,
+  as observed before; the recent window is the largest gain there (/3.5 to /5), keys
+  at 5 bits and values at 3 the next (/1.6 to /1.9); with both, 4x lower KL than
+  affine 4-bit, in fewer bytes from ~700 tokens on (d=128). With key outlier channels
+  (+kbias) the affine cache breaks down (each group's range is stretched by the
+  outlier) and the rotated one does not; more key bits help again. Random-weight
+  models (no trained attention pattern, value errors amplified by random projections)
+  prefer K4/V4; they are the weakest proxy, so the defaults follow the trained model,
+  the outlier case and the synthetic scores. bits=3 is a tie on the trained model and
+  follows the same rule.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+# --------------------------------------------------------------------------------------
+# Codebooks
+# --------------------------------------------------------------------------------------
+
+# Positive half of the Lloyd-Max (MSE-optimal) reconstruction levels for N(0, 1); the
+# codebooks are symmetric. Computed by `lloyd_max_codebook(bits)` (Lloyd's iteration,
+# centroid <-> midpoint, to 1e-10, with the Gaussian's mass and first moment integrated
+# on a fine grid) and rounded to 7 digits. The rotated, sqrt(d)-scaled coordinates of a
+# unit vector tend to N(0, 1) as d grows: at d = 64 the exact (Beta) codebook's outer
+# levels are ~3% smaller, and measured no better on real or synthetic data.
+# Expected squared error of a unit vector (d x per-coordinate MSE): 0.3634 (1),
+# 0.1175 (2), 0.03455 (3), 0.009501 (4), 0.002505 (5); the paper (Theorem 1) rounds
+# these to ~0.36, 0.117, 0.03, 0.009.
+CODEBOOKS = {
+    1: (0.7978846,),
+    2: (0.4527800, 1.5104176),
+    3: (0.2450942, 0.7560053, 1.3439093, 2.1519457),
+    4: (
+        0.1283950, 0.3880483, 0.6567591, 0.9423405,
+        1.2562312, 1.6180464, 2.0690172, 2.7325896,
+    ),
+    5: (
+        0.0658897, 0.1980518, 0.3313783, 0.4666995, 0.6049336, 0.7471357,
+        0.8945651, 1.0487833, 1.2118044, 1.3863403, 1.5762281, 1.7872332,
+        2.0287284, 2.3177394, 2.6911196, 3.2607325,
+    ),
+}  # fmt: skip
+
+SUPPORTED_BITS = tuple(CODEBOOKS)
+
+# Nominal --kv-bits -> (key bits, value bits). See the module docstring for why.
+BIT_SPLITS = {4: (5, 3), 3: (4, 2), 2: (2, 2)}
+DEFAULT_SINK_TOKENS = 4
+DEFAULT_WINDOW = 8
+# The engine's default prompt-lookup draft length (config.DEFAULT_PLD_MAX_LOOKUP).
+DEFAULT_TRIM_RESERVE = 5
+
+
+def _coordinate_density(dim: Optional[int]):
+    """(grid, density) of one sqrt(dim)-scaled coordinate of a random unit vector."""
+    if dim is None:
+        z = np.linspace(-12.0, 12.0, 200_001)
+        return z, np.exp(-0.5 * z * z)
+    if dim < 3:
+        raise ValueError(f"dim must be >= 3 for the Beta codebook, got {dim}")
+    r = math.sqrt(dim)
+    z = np.linspace(-r, r, 200_001)
+    return z, np.clip(1.0 - z * z / dim, 0.0, None) ** ((dim - 3) / 2)
+
+
+def lloyd_max_codebook(bits: int, dim: Optional[int] = None, tol: float = 1e-10):
+    """Lloyd-Max levels (ascending, float64) for one rotated coordinate.
+
+    `dim=None` is the Gaussian limit N(0, 1) (what `CODEBOOKS` holds); an integer `dim`
+    gives the exact distribution of sqrt(dim) * u_1 for u uniform on the unit sphere
+    (density proportional to (1 - z^2 / dim) ** ((dim - 3) / 2)).
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    z, pdf = _coordinate_density(dim)
+    # Cumulative mass and first moment on the grid (trapezoid rule), so that each Lloyd
+    # step is two interpolations instead of a numerical integral per interval.
+    dz = np.diff(z)
+    mass = np.concatenate([[0.0], np.cumsum(0.5 * (pdf[1:] + pdf[:-1]) * dz)])
+    zp = z * pdf
+    moment = np.concatenate([[0.0], np.cumsum(0.5 * (zp[1:] + zp[:-1]) * dz)])
+    n = 2**bits
+    levels = np.linspace(-2.0, 2.0, n) * (1.0 if n > 2 else 0.5)
+    for _ in range(100_000):
+        edges = np.concatenate([[z[0]], (levels[1:] + levels[:-1]) / 2, [z[-1]]])
+        m = np.interp(edges, z, mass)
+        s = np.interp(edges, z, moment)
+        new = np.diff(s) / np.diff(m)
+        done = np.max(np.abs(new - levels)) < tol
+        levels = new
+        if done:
+            break
+    return levels
+
+
+def codebook(bits: int) -> np.ndarray:
+    """The full symmetric N(0, 1) codebook for `bits` (ascending, float32)."""
+    if bits not in CODEBOOKS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    half = np.asarray(CODEBOOKS[bits], dtype=np.float32)
+    return np.concatenate([-half[::-1], half])
+
+
+@lru_cache(maxsize=None)
+def _codebook_arrays(bits: int) -> Tuple[mx.array, mx.array]:
+    levels = codebook(bits)
+    return mx.array(levels), mx.array((levels[1:] + levels[:-1]) / 2)
+
+
+# --------------------------------------------------------------------------------------
+# Bit packing: b-bit codes <-> uint32 words, b in 1..8 (3 and 5 bits straddle words)
+# --------------------------------------------------------------------------------------
+
+
+def _packing(bits: int):
+    """Codes per group, words per group: a group of codes fills whole uint32 words."""
+    g = math.gcd(bits, 32)
+    return 32 // g, bits // g
+
+
+def packed_words(count: int, bits: int) -> int:
+    """uint32 words needed for `count` codes of `bits` bits."""
+    per_group, words = _packing(bits)
+    return -(-count // per_group) * words
+
+
+@lru_cache(maxsize=None)
+def _pack_layout(bits: int):
+    per_group, n_words = _packing(bits)
+    pos = np.arange(per_group) * bits
+    word = pos // 32
+    shift = pos % 32
+    straddle = shift + bits > 32
+    return per_group, n_words, word, shift, straddle
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """Pack integer codes (..., n) in [0, 2**bits) into uint32 words (..., words)."""
+    per_group, n_words, word, shift, straddle = _pack_layout(bits)
+    n = codes.shape[-1]
+    codes = codes.astype(mx.uint32)
+    pad = -n % per_group
+    if pad:
+        codes = mx.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
+    codes = codes.reshape(*codes.shape[:-1], -1, per_group)
+    lo = codes << mx.array(shift, dtype=mx.uint32)  # bits past 31 fall off
+    words = []
+    for j in range(n_words):
+        # Bits of different codes never overlap, so a sum is a bitwise or.
+        start, stop = np.searchsorted(word, [j, j + 1])
+        w = mx.sum(lo[..., int(start) : int(stop)], axis=-1)
+        carry = np.nonzero(straddle & (word == j - 1))[0]
+        if carry.size:
+            i = int(carry[0])
+            w = w + (codes[..., i] >> int(32 - shift[i]))
+        words.append(w)
+    return mx.stack(words, axis=-1).reshape(*codes.shape[:-2], -1)
+
+
+def unpack_codes(words: mx.array, bits: int, count: int) -> mx.array:
+    """Inverse of `pack_codes`: uint32 words -> uint32 codes (..., count)."""
+    per_group, n_words, word, shift, straddle = _pack_layout(bits)
+    words = words.reshape(*words.shape[:-1], -1, n_words)
+    mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
+    # Broadcast shifts over each word's own codes (static slices, no gathers: a
+    # gather along the last axis is ~10x slower on CPU).
+    parts = []
+    for j in range(n_words):
+        start, stop = (int(i) for i in np.searchsorted(word, [j, j + 1]))
+        w = words[..., j : j + 1]
+        codes = w >> mx.array(shift[start:stop], dtype=mx.uint32)
+        if straddle[stop - 1]:
+            # The last code of this word continues in the next one.
+            s = int(shift[stop - 1])
+            top = (w >> s) | (words[..., j + 1 : j + 2] << (32 - s))
+            codes = mx.concatenate([codes[..., :-1], top], axis=-1)
+        parts.append(codes)
+    codes = parts[0] if n_words == 1 else mx.concatenate(parts, axis=-1)
+    codes = (codes & mask).reshape(*codes.shape[:-2], -1)
+    return codes[..., :count] if codes.shape[-1] != count else codes
+
+
+# --------------------------------------------------------------------------------------
+# Rotation
+# --------------------------------------------------------------------------------------
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class Rotation:
+    """A seeded random orthogonal map on the last axis (float32 in, float32 out).
+
+    Power-of-two dims: x -> H (s * x) / sqrt(d), s random signs, H the Walsh-Hadamard
+    matrix (mx.hadamard_transform, O(d log d)). Other dims: a dense Haar-random
+    orthogonal matrix (QR of a seeded Gaussian matrix).
+    """
+
+    def __init__(self, dim: int, seed: int):
+        rng = np.random.default_rng(seed)
+        self.dim = dim
+        self.hadamard = _is_power_of_two(dim)
+        if self.hadamard:
+            signs = rng.integers(0, 2, size=dim) * 2 - 1
+            self.signs = mx.array(signs.astype(np.float32))
+            self.matrix = None
+        else:
+            q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+            q = q * np.sign(np.diag(r))  # makes the QR factor Haar-distributed
+            self.signs = None
+            self.matrix = mx.array(q.astype(np.float32))
+
+    def forward(self, x: mx.array) -> mx.array:
+        if self.hadamard:
+            return mx.hadamard_transform(x * self.signs)
+        return x @ self.matrix.T
+
+    def inverse(self, y: mx.array) -> mx.array:
+        if self.hadamard:
+            return mx.hadamard_transform(y) * self.signs
+        return y @ self.matrix
+
+
+@lru_cache(maxsize=None)
+def rotation(dim: int, seed: int) -> Rotation:
+    """Shared per (dim, seed): copies share it and a loaded cache rebuilds it."""
+    return Rotation(dim, seed)
+
+
+# --------------------------------------------------------------------------------------
+# Codec
+# --------------------------------------------------------------------------------------
+
+
+_FLOAT16_MAX = 65504.0
+
+
+def quantize(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]:
+    """Encode x (..., d) -> (packed codes (..., words) uint32, scales (...) float16).
+
+    The stored "norm" is the scale that makes the reconstruction as long as x
+    (||x|| * sqrt(d) / ||codebook values||), which removes the MSE quantizer's shrinkage
+    of |q.k| at no extra bytes (bench: lower attention error than the raw norm).
+    """
+    dim = x.shape[-1]
+    levels, edges = _codebook_arrays(bits)
+    x = x.astype(mx.float32)
+    norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+    y = rot.forward(x / mx.maximum(norm, 1e-30)) * math.sqrt(dim)
+    codes = mx.sum(y[..., None] > edges, axis=-1).astype(mx.uint32)
+    c = mx.take(levels, codes)
+    c_norm = mx.sqrt(mx.sum(c * c, axis=-1, keepdims=True))
+    scale = norm * math.sqrt(dim) / mx.maximum(c_norm, 1e-30)
+    scale = mx.minimum(scale, _FLOAT16_MAX)  # never inf, whatever the activations
+    return pack_codes(codes, bits), scale.squeeze(-1).astype(mx.float16)
+
+
+def dequantize_rotated(
+    words: mx.array, norms: mx.array, bits: int, dim: int
+) -> mx.array:
+    """Codes -> float32 vectors in the rotated domain (R x)."""
+    levels, _ = _codebook_arrays(bits)
+    c = mx.take(levels, unpack_codes(words, bits, dim))
+    return c * (norms.astype(mx.float32)[..., None] * (1.0 / math.sqrt(dim)))
+
+
+def dequantize(
+    words: mx.array, norms: mx.array, bits: int, rot: Rotation, dtype=mx.float32
+) -> mx.array:
+    """Codes -> vectors (..., d) in `dtype`."""
+    return rot.inverse(dequantize_rotated(words, norms, bits, rot.dim)).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------
+
+
+def resolve_bits(bits: int) -> Tuple[int, int]:
+    """Nominal --kv-bits -> (key bits, value bits)."""
+    if bits not in BIT_SPLITS:
+        raise ValueError(f"kv bits must be one of {tuple(BIT_SPLITS)}, got {bits!r}")
+    return BIT_SPLITS[bits]
+
+
+def _detach(x: Optional[mx.array]) -> Optional[mx.array]:
+    """A slice that owns its memory: a plain slice is a view that would keep the whole
+    source buffer (e.g. a 2048-token prefill chunk) alive."""
+    return None if x is None else mx.contiguous(x)
+
+
+class TurboQuantKVCache(_BaseCache):
+    """KV cache holding TurboQuant codes (see the module docstring).
+
+    Args:
+        bits: nominal bits per coordinate (`BIT_SPLITS` maps it to key/value bits).
+        key_bits, value_bits: override the split (any of `SUPPORTED_BITS`).
+        sink_tokens: leading tokens kept uncompressed (model dtype).
+        window: each query reads its `window` most recent tokens (itself included)
+            uncompressed; the cache keeps exact copies of the last
+            `window - 1 + trim_reserve` tokens for that.
+        trim_reserve: trims up to this many tokens keep the window exact (prompt-lookup
+            decoding rejects at most its draft length); larger trims still work, the
+            window then reads codes for the tokens whose copies are gone.
+        seed: rotation seed; `make_turboquant_cache` gives each layer its own.
+    """
+
+    step = 256
+
+    def __init__(
+        self,
+        bits: int = 4,
+        *,
+        key_bits: Optional[int] = None,
+        value_bits: Optional[int] = None,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        window: int = DEFAULT_WINDOW,
+        trim_reserve: int = DEFAULT_TRIM_RESERVE,
+        seed: int = 0,
+    ):
+        default_k, default_v = resolve_bits(bits)
+        # Not `bits`: mlx-lm's attention treats any cache with a `bits` attribute as
+        # its own affine-quantized cache.
+        self.nominal_bits = bits
+        self.key_bits = key_bits or default_k
+        self.value_bits = value_bits or default_v
+        for name, b in (("key_bits", self.key_bits), ("value_bits", self.value_bits)):
+            if b not in CODEBOOKS:
+                raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {b!r}")
+        for name, n in (
+            ("sink_tokens", sink_tokens),
+            ("window", window),
+            ("trim_reserve", trim_reserve),
+        ):
+            if not isinstance(n, int) or n < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+        self.sink_tokens = sink_tokens
+        self.window = window
+        self.trim_reserve = trim_reserve
+        self.seed = int(seed)
+        self.offset = 0
+        self.dtype_name = ""
+        self.key_dim = 0
+        self.value_dim = 0
+        # Uncompressed leading tokens (B, H, <= sink_tokens, d), model dtype.
+        self.sink_keys = None
+        self.sink_values = None
+        # Codes of every token from position sink_tokens on, (B, H, capacity, words)
+        # uint32, and their scales (B, H, capacity) float16; capacity grows in steps.
+        self.key_codes = None
+        self.key_norms = None
+        self.value_codes = None
+        self.value_norms = None
+        # Exact copies of the most recent tokens (positions offset - n .. offset - 1).
+        self.recent_keys = None
+        self.recent_values = None
+        # Whether the model's attention calls `attention` (install_attention done):
+        # update_and_fetch then hands the exact chunk to that call, which drops it.
+        # Cleared by itself after one step if no call comes.
+        self.routed = _attention_installed()
+        self._chunk = None
+
+    # -- helpers ---------------------------------------------------------------------
+
+    @property
+    def _n_sink(self) -> int:
+        return min(self.offset, self.sink_tokens)
+
+    @property
+    def _n_coded(self) -> int:
+        return max(0, self.offset - self.sink_tokens)
+
+    @property
+    def _n_recent(self) -> int:
+        return 0 if self.recent_keys is None else self.recent_keys.shape[2]
+
+    @property
+    def _recent_capacity(self) -> int:
+        # A window of 1 (the query's own token) is always in the chunk at hand.
+        return 0 if self.window <= 1 else self.window - 1 + self.trim_reserve
+
+    @property
+    def dtype(self):
+        return getattr(mx, self.dtype_name) if self.dtype_name else mx.float16
+
+    def _rotation(self, dim: int) -> Rotation:
+        return rotation(dim, self.seed)
+
+    def _check(self, keys: mx.array, values: mx.array):
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                "TurboQuantKVCache expects keys/values of shape (B, n_kv_heads, L, "
+                f"head_dim), got {keys.shape} and {values.shape}"
+            )
+        if self.key_dim and (
+            keys.shape[-1] != self.key_dim or values.shape[-1] != self.value_dim
+        ):
+            raise ValueError(
+                f"head dims changed: cache has {self.key_dim}/{self.value_dim}, got "
+                f"{keys.shape[-1]}/{values.shape[-1]}"
+            )
+
+    def _grow(self, B: int, H: int, used: int, needed: int):
+        """Room for `needed` coded tokens, keeping the first `used` (amortised growth
+        in steps of `step` tokens, like mlx-lm's KVCache)."""
+        have = 0 if self.key_codes is None else self.key_codes.shape[2]
+        if needed <= have:
+            return
+        keep = min(used, have)
+        new_cap = -(-needed // self.step) * self.step
+
+        def grow(buf, tail_shape, dtype):
+            fresh = mx.zeros((B, H, new_cap - keep, *tail_shape), dtype)
+            if buf is None or keep == 0:
+                return fresh
+            return mx.concatenate([buf[:, :, :keep], fresh], axis=2)
+
+        kw = packed_words(self.key_dim, self.key_bits)
+        vw = packed_words(self.value_dim, self.value_bits)
+        self.key_codes = grow(self.key_codes, (kw,), mx.uint32)
+        self.value_codes = grow(self.value_codes, (vw,), mx.uint32)
+        self.key_norms = grow(self.key_norms, (), mx.float16)
+        self.value_norms = grow(self.value_norms, (), mx.float16)
+
+    def _append_sinks(self, keys, values, prev: int, n: int):
+        sk, sv = keys[:, :, :n], values[:, :, :n]
+        if prev > 0 and self.sink_keys is not None:
+            sk = mx.concatenate([self.sink_keys[:, :, :prev], sk], axis=2)
+            sv = mx.concatenate([self.sink_values[:, :, :prev], sv], axis=2)
+        self.sink_keys, self.sink_values = _detach(sk), _detach(sv)
+
+    def _append_codes(self, keys, values, start: int):
+        B, H, L, _ = keys.shape
+        self._grow(B, H, start, start + L)
+        kc, kn = quantize(keys, self.key_bits, self._rotation(self.key_dim))
+        vc, vn = quantize(values, self.value_bits, self._rotation(self.value_dim))
+        stop = start + L
+        self.key_codes[:, :, start:stop] = kc
+        self.key_norms[:, :, start:stop] = kn
+        self.value_codes[:, :, start:stop] = vc
+        self.value_norms[:, :, start:stop] = vn
+
+    def _exact_tail(self, keys, values):
+        """Exact K/V of the new chunk plus the window - 1 tokens before it."""
+        w0 = min(self.window - 1, self._n_recent)
+        if w0 <= 0:
+            return keys, values
+        rk = self.recent_keys[:, :, self._n_recent - w0 :]
+        rv = self.recent_values[:, :, self._n_recent - w0 :]
+        return mx.concatenate([rk, keys], 2), mx.concatenate([rv, values], 2)
+
+    def _keep_recent(self, keys, values):
+        """Keep exact copies of the last window - 1 + trim_reserve tokens."""
+        cap, L, n_old = self._recent_capacity, keys.shape[2], self._n_recent
+        if cap == 0:
+            return
+        if L < cap and n_old:
+            lo = max(0, n_old - (cap - L))
+            keys = mx.concatenate([self.recent_keys[:, :, lo:], keys], axis=2)
+            values = mx.concatenate([self.recent_values[:, :, lo:], values], axis=2)
+        self.recent_keys = _detach(keys[:, :, -cap:])
+        self.recent_values = _detach(values[:, :, -cap:])
+
+    # -- protocol --------------------------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store the chunk; return all keys/values, dequantized to the model dtype.
+
+        The chunk's own tokens and the window - 1 before it come back exact (for one
+        token at a time that is exactly "the last `window` tokens exact").
+        """
+        self._check(keys, values)
+        if not self.dtype_name:
+            self.dtype_name = str(keys.dtype).split(".")[-1]
+            self.key_dim, self.value_dim = keys.shape[-1], values.shape[-1]
+        if self._chunk is not None:
+            # The last chunk was never read by `attention`: this model's attention
+            # does not go through the hook, so stop handing chunks over.
+            self.routed = False
+        prev, L = self.offset, keys.shape[2]
+        n_sink = max(0, min(self.sink_tokens, prev + L) - prev)
+        if n_sink:
+            self._append_sinks(keys, values, prev, n_sink)
+        if L > n_sink:
+            start = max(0, prev - self.sink_tokens)
+            self._append_codes(keys[:, :, n_sink:], values[:, :, n_sink:], start)
+        tail = None
+        if self.window:
+            tail = self._exact_tail(keys, values)
+            self._keep_recent(keys, values)
+        self.offset += L
+        self._chunk = tail if (self.routed and tail is not None) else None
+        return self._fetch(tail)
+
+    def _fetch(self, tail):
+        keys, values = self.keys_and_values()
+        if tail is None:
+            return keys, values
+        n = min(tail[0].shape[2], self.offset)
+        if n == self.offset:
+            return tail
+        cut = self.offset - n
+        return (
+            mx.concatenate([keys[:, :, :cut], tail[0][:, :, -n:]], 2),
+            mx.concatenate([values[:, :, :cut], tail[1][:, :, -n:]], 2),
+        )
+
+    def _coded(self):
+        n = self._n_coded
+        return (
+            self.key_codes[:, :, :n],
+            self.key_norms[:, :, :n],
+            self.value_codes[:, :, :n],
+            self.value_norms[:, :, :n],
+        )
+
+    def keys_and_values(self, rotated: bool = False):
+        """All `offset` keys and values as stored: exact sinks, then decoded codes.
+
+        Model dtype; `rotated=True` gives float32 in the rotated domain (R k, R v) for
+        attention that rotates the query instead.
+        """
+        s = self._n_sink
+        parts_k, parts_v = [], []
+        if s:
+            sk, sv = self.sink_keys[:, :, :s], self.sink_values[:, :, :s]
+            if rotated:
+                sk = self._rotation(self.key_dim).forward(sk.astype(mx.float32))
+                sv = self._rotation(self.value_dim).forward(sv.astype(mx.float32))
+            parts_k.append(sk)
+            parts_v.append(sv)
+        if self._n_coded:
+            kc, kn, vc, vn = self._coded()
+            k = dequantize_rotated(kc, kn, self.key_bits, self.key_dim)
+            v = dequantize_rotated(vc, vn, self.value_bits, self.value_dim)
+            if not rotated:
+                k = self._rotation(self.key_dim).inverse(k).astype(self.dtype)
+                v = self._rotation(self.value_dim).inverse(v).astype(self.dtype)
+            parts_k.append(k)
+            parts_v.append(v)
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        self._chunk = None
+        # Codes past the new offset stay allocated and are overwritten by the next
+        # update; sinks are cut on their next append.
+        keep = self._n_recent - n
+        if keep <= 0:
+            self.recent_keys = self.recent_values = None
+        elif n:
+            self.recent_keys = self.recent_keys[:, :, :keep]
+            self.recent_values = self.recent_values[:, :, :keep]
+        return n
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: Optional[int] = None
+    ):
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: sinks, codes and norms (allocated capacity), recent copies."""
+        arrays = (
+            self.sink_keys,
+            self.sink_values,
+            self.key_codes,
+            self.key_norms,
+            self.value_codes,
+            self.value_norms,
+            self.recent_keys,
+            self.recent_values,
+        )
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    # -- state (mlx-lm's save_prompt_cache / load_prompt_cache) -----------------------
+
+    _META = (
+        "offset",
+        "nominal_bits",
+        "key_bits",
+        "value_bits",
+        "sink_tokens",
+        "window",
+        "trim_reserve",
+        "seed",
+        "key_dim",
+        "value_dim",
+    )
+
+    @property
+    def meta_state(self) -> Tuple[str, ...]:
+        return tuple(str(getattr(self, k)) for k in self._META) + (self.dtype_name,)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        *ints, dtype_name = v
+        if len(ints) != len(self._META):
+            raise ValueError(
+                f"TurboQuantKVCache meta_state needs {len(self._META) + 1} items"
+            )
+        for k, x in zip(self._META, ints):
+            setattr(self, k, int(x))
+        self.dtype_name = str(dtype_name)
+        self.routed = _attention_installed()
+        self._chunk = None
+
+    @property
+    def state(self):
+        """Arrays cut to what is in use, then the meta state (strings).
+
+        mlx-lm 0.32's save_prompt_cache stores `state` alone (strings included) and
+        load_prompt_cache rebuilds with `from_state(state)`.
+        """
+        s = self._n_sink
+        sink_k = None if self.sink_keys is None else self.sink_keys[:, :, :s]
+        sink_v = None if self.sink_values is None else self.sink_values[:, :, :s]
+        coded = (None,) * 4 if self.key_codes is None else self._coded()
+        recent = (self.recent_keys, self.recent_values)
+        return (sink_k, sink_v, *coded, *recent, *self.meta_state)
+
+    @state.setter
+    def state(self, v):
+        sink_k, sink_v, kc, kn, vc, vn, rk, rv, *meta = v
+        self.meta_state = meta
+        self.sink_keys, self.sink_values = sink_k, sink_v
+        self.key_codes, self.key_norms = kc, kn
+        self.value_codes, self.value_norms = vc, vn
+        self.recent_keys, self.recent_values = rk, rv
+
+    # -- attention in the rotated domain ----------------------------------------------
+
+    def attention(
+        self,
+        queries: mx.array,
+        scale: float,
+        mask=None,
+        sinks: Optional[mx.array] = None,
+    ) -> mx.array:
+        """softmax(q K^T * scale) V over everything cached, straight from the codes.
+
+        (R q).(R k) == q.k for orthogonal R, and sum_j p_j R v_j == R (sum_j p_j v_j):
+        the L_q queries and outputs are rotated instead of all `offset` keys and
+        values. A coded key is norm_j / sqrt(d) * c_j (c_j the codebook values), so
+        q.k_j = norm_j / sqrt(d) * (q.c_j): the norms scale the L_q x L scores and the
+        probabilities, not the L x d keys and values. Query i reads keys
+        i - window < j <= i exactly (the chunk handed over by update_and_fetch, or the
+        recent copies) and sinks exactly -- the same for any chunking of the sequence.
+        """
+        if sinks is not None:
+            raise ValueError("TurboQuantKVCache attention does not take `sinks`")
+        dtype = queries.dtype
+        rot_k = self._rotation(self.key_dim)
+        q = (rot_k.forward(queries.astype(mx.float32)) * scale).astype(dtype)
+        tail, self._chunk = self._chunk, None
+        if tail is None and self.window and self._n_recent:
+            tail = (self.recent_keys, self.recent_values)
+        parts = self._rotated_parts(tail, dtype)
+        L_q = q.shape[2]
+        outs = []
+        # Blocks of queries bound the (L_q x offset) scores of long prefill chunks.
+        for lo in range(0, L_q, _QUERY_BLOCK):
+            hi = min(L_q, lo + _QUERY_BLOCK)
+            m = mask[..., lo:hi, :] if isinstance(mask, mx.array) else mask
+            end = self.offset - (L_q - hi)
+            outs.append(_rotated_attention(q[:, :, lo:hi], parts, end, self.window, m))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        out = self._rotation(self.value_dim).inverse(out.astype(mx.float32))
+        return out.astype(dtype)
+
+    def _rotated_parts(self, tail, dtype):
+        """Sinks, codebook values with per-token scales, exact tail; rotated domain."""
+        rot_k = self._rotation(self.key_dim)
+        rot_v = self._rotation(self.value_dim)
+
+        def rotate(x, rot):
+            return rot.forward(x.astype(mx.float32)).astype(dtype)
+
+        def levels(words, bits, dim):
+            table, _ = _codebook_arrays(bits)
+            return mx.take(table, unpack_codes(words, bits, dim)).astype(dtype)
+
+        s = self._n_sink
+        sinks = None
+        if s:
+            sinks = (
+                rotate(self.sink_keys[:, :, :s], rot_k),
+                rotate(self.sink_values[:, :, :s], rot_v),
+            )
+        coded = None
+        if self._n_coded:
+            kc, kn, vc, vn = self._coded()
+            coded = (
+                levels(kc, self.key_bits, self.key_dim),
+                kn.astype(mx.float32) * (1.0 / math.sqrt(self.key_dim)),
+                levels(vc, self.value_bits, self.value_dim),
+                vn.astype(mx.float32) * (1.0 / math.sqrt(self.value_dim)),
+            )
+        if tail is not None:
+            n = min(tail[0].shape[2], self.offset)
+            tail = (
+                rotate(tail[0][:, :, -n:], rot_k),
+                rotate(tail[1][:, :, -n:], rot_v),
+            )
+        return sinks, coded, tail
+
+
+_QUERY_BLOCK = 512
+
+
+def _rotated_attention(q, parts, end, window, mask):
+    """Attention of scaled, rotated queries q (B, Hq, L_q, d) at positions
+    end - L_q .. end - 1 over the cached positions (sinks, then codes, with the exact
+    tail overriding where a query's window reaches)."""
+    sinks, coded, tail = parts
+    B, n_q_heads, L_q, _ = q.shape
+    n_sink = 0 if sinks is None else sinks[0].shape[2]
+    n_kv_heads = (sinks or coded)[0].shape[1]
+    q = q.reshape(B, n_kv_heads, n_q_heads // n_kv_heads, L_q, -1)
+
+    def keys_t(x):  # (B, Hkv, L, d) -> (B, Hkv, 1, d, L): shared by a group's heads
+        return x[:, :, None].swapaxes(-1, -2)
+
+    def grouped(x):  # (B, Hkv, L, d) -> (B, Hkv, 1, L, d)
+        return x[:, :, None]
+
+    scores = []
+    if sinks is not None:
+        scores.append((q @ keys_t(sinks[0])).astype(mx.float32))
+    if coded is not None:
+        s = (q @ keys_t(coded[0])).astype(mx.float32)
+        scores.append(s * coded[1][:, :, None, None, :])
+    scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+    total = scores.shape[-1]
+    q_pos = mx.arange(end - L_q, end)[:, None]
+    causal = q_pos >= mx.arange(total)[None]
+
+    exact = None
+    if tail is not None:
+        n = tail[0].shape[2]
+        t_pos = mx.arange(total - n, total)[None]
+        # Sink positions are exact already and served by the sink term below.
+        exact = (q_pos - t_pos < window) & (q_pos >= t_pos) & (t_pos >= n_sink)
+        t_scores = (q @ keys_t(tail[0])).astype(mx.float32)
+        last = mx.where(exact, t_scores, scores[..., total - n :])
+        scores = mx.concatenate([scores[..., : total - n], last], axis=-1)
+
+    if isinstance(mask, mx.array):
+        if mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)  # the group axis
+        if mask.dtype == mx.bool_:
+            causal = causal & mask
+        else:
+            scores = scores + mask
+    # None (a single query) and "causal" are both the causal mask at these positions.
+    scores = mx.where(causal, scores, -mx.inf)
+    p = mx.softmax(scores, axis=-1, precise=True)
+
+    out = None
+    if exact is not None:
+        p_last = p[..., total - n :]
+        out = mx.where(exact, p_last, 0).astype(q.dtype) @ grouped(tail[1])
+        p = mx.concatenate([p[..., : total - n], mx.where(exact, 0, p_last)], axis=-1)
+    if sinks is not None:
+        o = p[..., :n_sink].astype(q.dtype) @ grouped(sinks[1])
+        out = o if out is None else out + o
+    if coded is not None:
+        pv = (p[..., n_sink:] * coded[3][:, :, None, None, :]).astype(q.dtype)
+        o = pv @ grouped(coded[2])
+        out = o if out is None else out + o
+    return out.reshape(B, n_q_heads, L_q, -1)
+
+
+# --------------------------------------------------------------------------------------
+# Hooking attention (optional, scoped)
+# --------------------------------------------------------------------------------------
+
+_STOCK_SDPA = None
+_PATCHED_MODULES: dict = {}
+
+
+def _attention_installed() -> bool:
+    return bool(_PATCHED_MODULES)
+
+
+def _turboquant_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    """Drop-in for mlx_lm.models.base.scaled_dot_product_attention."""
+    if isinstance(cache, TurboQuantKVCache) and cache.routed:
+        # `keys`/`values` (the dequantized fetch) are left unused, so MLX's lazy graph
+        # never computes them.
+        return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
+    return _STOCK_SDPA(
+        queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+    )
+
+
+def install_attention(model) -> List[str]:
+    """Route the attention of `model`'s layers through `TurboQuantKVCache.attention`.
+
+    mlx-lm's model files call `scaled_dot_product_attention`, imported by name from
+    mlx_lm.models.base, with the layer's cache; there is no per-cache hook besides its
+    `hasattr(cache, "bits")` branch, which assumes mx.quantized_matmul's affine format.
+    So the name is rebound, in the model-file modules that `model` is built from only,
+    to a function that takes the rotated-domain path for a TurboQuantKVCache and calls
+    the stock function for any other cache (behaviour for those is unchanged).
+    Idempotent; `uninstall_attention()` restores the stock binding. Returns the modules
+    patched. Without it the cache still works (dequantize on fetch).
+    """
+    import sys
+
+    from mlx_lm.models import base
+
+    global _STOCK_SDPA
+    if _STOCK_SDPA is None:
+        _STOCK_SDPA = base.scaled_dot_product_attention
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    patched = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if getattr(module, "scaled_dot_product_attention", None) is _STOCK_SDPA:
+            module.scaled_dot_product_attention = _turboquant_sdpa
+            _PATCHED_MODULES[name] = module
+        if name in _PATCHED_MODULES:
+            patched.append(name)
+    return patched
+
+
+def uninstall_attention():
+    """Undo `install_attention` for every module it patched."""
+    for module in _PATCHED_MODULES.values():
+        module.scaled_dot_product_attention = _STOCK_SDPA
+    _PATCHED_MODULES.clear()
+
+
+# --------------------------------------------------------------------------------------
+# Factory, save / load
+# --------------------------------------------------------------------------------------
+
+
+def make_turboquant_cache(
+    model, bits: int = 4, *, seed: int = 0, rotated_attention: bool = True, **options
+) -> List[Any]:
+    """The model's cache list with every plain KVCache replaced by a TurboQuantKVCache.
+
+    Recurrent (ArraysCache), rotating and other caches are kept as the model makes
+    them. Layer i gets rotation seed `seed + i`. `options` go to TurboQuantKVCache
+    (key_bits, value_bits, sink_tokens, window, trim_reserve).
+
+    `rotated_attention` (default) also calls `install_attention(model)`, so attention
+    runs in the rotated domain with each query's window read exactly, whatever the
+    chunking (chunked prefill, prompt-cache reuse and prompt-lookup verification then
+    match token-by-token decoding). With False, or where the model's attention does
+    not go through mlx-lm's scaled_dot_product_attention, attention uses the
+    dequantized keys/values that update_and_fetch returns.
+    """
+    resolve_bits(bits)
+    routed = bool(rotated_attention and install_attention(model))
+    if hasattr(model, "make_cache"):
+        caches = model.make_cache()
+    else:
+        caches = [KVCache() for _ in model.layers]
+    out = []
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:
+            c = TurboQuantKVCache(bits, seed=seed + i, **options)
+            c.routed = routed
+        out.append(c)
+    return out
+
+
+def register_with_mlx_lm():
+    """Make mlx_lm.models.cache.load_prompt_cache able to rebuild our cache.
+
+    load_prompt_cache looks classes up by name in mlx_lm.models.cache's globals; this
+    adds the one name (nothing is replaced). Done on import of this module.
+    """
+    if getattr(mlx_cache, TurboQuantKVCache.__name__, None) is not TurboQuantKVCache:
+        setattr(mlx_cache, TurboQuantKVCache.__name__, TurboQuantKVCache)
+
+
+register_with_mlx_lm()
+
+# Class names a prompt-cache loader must know besides mlx-lm's own.
+CACHE_CLASSES = (TurboQuantKVCache.__name__,)
+
+
+def save_prompt_cache(path: str, cache: List[Any], metadata: Optional[dict] = None):
+    """mlx-lm's save_prompt_cache (a .safetensors file); TurboQuant layers included."""
+    mlx_cache.save_prompt_cache(path, cache, metadata or {})
+
+
+def load_prompt_cache(path: str, return_metadata: bool = False):
+    """mlx-lm's load_prompt_cache, with TurboQuantKVCache registered first."""
+    register_with_mlx_lm()
+    return mlx_cache.load_prompt_cache(path, return_metadata=return_metadata)
