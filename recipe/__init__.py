@@ -1,0 +1,1 @@
+"""Recipe that builds batchgen's bundled demo chat model from the Python stdlib."""

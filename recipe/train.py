@@ -1,0 +1,593 @@
+"""A qwen2-architecture decoder written directly in PyTorch, its training loop, and its
+export to the safetensors + config.json layout that `mlx_lm.load` reads.
+
+The module tree mirrors Hugging Face's Qwen2ForCausalLM so that `state_dict()` keys are
+already the names mlx-lm expects (`model.layers.0.self_attn.q_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    # 640 rather than 768 keeps the bf16 file under 14 MB (768 would be ~14.7 MB).
+    intermediate_size: int = 640
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def hf_config(self, eos_token_id: int, pad_token_id: int, dtype: str) -> dict:
+        """config.json for mlx-lm (and transformers) to rebuild this model."""
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            **asdict(self),
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "rope_traditional": False,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+            "use_cache": True,
+            "bos_token_id": None,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+            "torch_dtype": dtype,
+        }
+
+
+# ---------------------------------------------------------------- model
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 as HF Qwen2 and mlx do; bf16 variance is too coarse.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (max_positions, head_dim), halves duplicated (rotate-half layout)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(
+        torch.arange(config.max_position_embeddings, dtype=torch.float64), inv_freq
+    )
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        dim = config.hidden_size
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Query head h reads kv head h // group, as in HF repeat_kv and mlx's GQA.
+        group = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2Body(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Tied embeddings: the output projection is embed_tokens.weight, no lm_head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen2Body(config)
+        cos, sin = rope_tables(config)
+        # Not persistent: the export must contain only the weights mlx-lm knows.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        # Residual-branch outputs are scaled down so the residual stream's variance stays
+        # roughly constant with depth (GPT-2 style).
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(param)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, std=residual_std)
+            else:
+                nn.init.normal_(param, std=std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        cos, sin = self.rope_cos[:length], self.rope_sin[:length]
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        h = self.model.norm(h)
+        return h @ self.model.embed_tokens.weight.t()
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_model(
+    model: Qwen2ForCausalLM,
+    out_dir: Path,
+    eos_token_id: int,
+    pad_token_id: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """Write model.safetensors (HF qwen2 names) and config.json; return the file's bytes."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = {
+        name: tensor.detach().to("cpu", dtype).contiguous()
+        for name, tensor in model.state_dict().items()
+    }
+    weights_path = out_dir / "model.safetensors"
+    save_file(weights, str(weights_path), metadata={"format": "pt"})
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = model.config.hf_config(eos_token_id, pad_token_id, dtype_name)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return weights_path.stat().st_size
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass
+class Examples:
+    """Tokenized chats, concatenated: example i is tokens[starts[i] : starts[i] + lengths[i]],
+    and its first prompt_lengths[i] tokens are the prompt (no loss there)."""
+
+    tokens: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def target_tokens(self) -> int:
+        return int((self.lengths - self.prompt_lengths).sum())
+
+    @classmethod
+    def from_pairs(cls, prompts: list[list[int]], answers: list[list[int]], max_len: int):
+        """Keep pairs whose training input (all tokens but the last) fits in max_len."""
+        kept = [(p, a) for p, a in zip(prompts, answers) if len(p) + len(a) - 1 <= max_len]
+        lengths = np.array([len(p) + len(a) for p, a in kept], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        flat = [t for p, a in kept for t in (*p, *a)]
+        return cls(
+            tokens=np.array(flat, dtype=np.int32),
+            starts=starts,
+            lengths=lengths,
+            prompt_lengths=np.array([len(p) for p, _ in kept], dtype=np.int64),
+        )
+
+
+def plan_batches(
+    examples: Examples, batch_tokens: int, rng: np.random.Generator, bucket: int = 64
+) -> list[np.ndarray]:
+    """One epoch of batches: examples grouped by padded length (a multiple of `bucket`),
+    rows per batch = batch_tokens // padded length, order shuffled. Padding waste stays
+    small, and causal attention never needs a mask: pads sit after the real tokens."""
+    padded = -(-(examples.lengths - 1) // bucket) * bucket
+    batches = []
+    for length in np.unique(padded):
+        members = rng.permutation(np.flatnonzero(padded == length))
+        rows = max(1, batch_tokens // int(length))
+        batches += [members[i : i + rows] for i in range(0, len(members), rows)]
+    # A single-row leftover would be a new batch shape (torch.compile specializes size 1).
+    batches = [b for b in batches if len(b) > 1] or batches
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def make_batch(examples: Examples, rows: np.ndarray, pad_id: int, bucket: int = 64):
+    """(inputs, targets) int64 arrays; targets are IGNORE_INDEX except on answer tokens."""
+    inputs_len = examples.lengths[rows] - 1
+    width = int(-(-inputs_len.max() // bucket) * bucket)
+    inputs = np.full((len(rows), width), pad_id, dtype=np.int64)
+    targets = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+    for r, i in enumerate(rows):
+        seq = examples.tokens[examples.starts[i] : examples.starts[i] + examples.lengths[i]]
+        n, p = len(seq), int(examples.prompt_lengths[i])
+        inputs[r, : n - 1] = seq[:-1]
+        # Position t predicts seq[t + 1]: from p - 1 on, that is an answer token.
+        targets[r, p - 1 : n - 1] = seq[p:]
+    return inputs, targets
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    minutes: float = 5.0
+    max_steps: int = 1_000_000
+    batch_tokens: int = 65536
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    compile: str = "auto"  # auto = on CUDA only
+    log_every_s: float = 15.0  # by time, so a 5-minute run logs ~20 lines at any speed
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def lr_at(config: TrainConfig, step: int, progress: float) -> float:
+    """Linear warmup by steps, then cosine to min_lr_ratio by progress (0..1, the larger
+    of the step fraction and the wall-clock fraction, since the budget is in minutes)."""
+    warmup = min(1.0, (step + 1) / config.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * warmup * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device):
+    """AdamW; no weight decay on norms, biases and the (tied) embedding."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (decay if param.ndim == 2 and "embed_tokens" not in name else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def loss_function(model: nn.Module, device: torch.device) -> Callable:
+    autocast = device.type == "cuda"
+
+    def loss_fn(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(inputs)
+        return F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX
+        )
+
+    return loss_fn
+
+
+def compile_layers(model: Qwen2ForCausalLM, mode: str, device: torch.device, log: Callable) -> bool:
+    """Compile each decoder layer (regional compilation): the layers share one graph, so
+    compile time is that of one layer, and dynamic shapes cover every batch bucket."""
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return False
+    try:
+        import torch._dynamo
+
+        # A compile failure must cost speed, never the run.
+        torch._dynamo.config.suppress_errors = True
+        torch._dynamo.config.cache_size_limit = 64
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+        return True
+    except Exception as error:  # noqa: BLE001 - any failure means: run eagerly
+        log(f"torch.compile unavailable ({type(error).__name__}: {error}); running eagerly")
+        decompile_layers(model)
+        return False
+
+
+def decompile_layers(model: Qwen2ForCausalLM) -> None:
+    for layer in model.model.layers:
+        layer._compiled_call_impl = None  # what nn.Module.compile set
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT so that a killed run still exports what it has learned."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.stop = False
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+
+    def uninstall(self) -> None:
+        """Back to the previous handlers: after training, a signal should stop the process."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        self.stop = True
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def batch_stream(examples: Examples, batch_tokens: int, rng: np.random.Generator):
+    """(epoch, rows) forever, reshuffled every epoch."""
+    epoch = 0
+    while True:
+        for rows in plan_batches(examples, batch_tokens, rng):
+            yield epoch, rows
+        epoch += 1
+
+
+class Progress:
+    """Fraction of the budget used: the larger of the step fraction and the time fraction,
+    the time counted from the end of the first step, so that compile time does not eat
+    the warmup and the cosine spans the steps that actually run."""
+
+    def __init__(self, budget_s: float, max_steps: int):
+        self.start_s = time.time()
+        self.budget_s, self.max_steps = budget_s, max_steps
+        self.first_step_end = None
+
+    def first_step_done(self) -> float:
+        self.first_step_end = time.time()
+        return self.first_step_end - self.start_s
+
+    def fraction(self, step: int) -> float:
+        if self.first_step_end is None:
+            return step / self.max_steps
+        left_s = max(1.0, self.budget_s - (self.first_step_end - self.start_s))
+        return max((time.time() - self.first_step_end) / left_s, step / self.max_steps)
+
+    def out_of_time(self) -> bool:
+        return time.time() - self.start_s >= self.budget_s
+
+
+class LossMeter:
+    """Sums losses on the device and syncs only when it reports (every log_every_s)."""
+
+    def __init__(self, device: torch.device, log_every_s: float):
+        self.total = torch.zeros((), device=device)
+        self.log_every_s = log_every_s
+        self.steps, self.tokens, self.window_start = 0, 0, time.time()
+        self.last_loss, self.curve = float("nan"), []
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        self.total += loss.detach()
+        self.steps += 1
+        self.tokens += tokens
+
+    def report(self, step: int, elapsed_s: float, force: bool = False) -> str | None:
+        now = time.time()
+        if not self.steps or (not force and now - self.window_start < self.log_every_s):
+            return None
+        self.last_loss = (self.total / self.steps).item()
+        tokens_per_s = self.tokens / max(1e-9, now - self.window_start)
+        self.curve.append([step, round(elapsed_s, 1), round(self.last_loss, 4)])
+        self.total.zero_()
+        self.steps, self.tokens, self.window_start = 0, 0, now
+        return f"loss {self.last_loss:.4f} {tokens_per_s:,.0f} tok/s elapsed {elapsed_s:.0f}s"
+
+
+def train_step(model, optimizer, loss_fn, inputs, targets, grad_clip: float) -> torch.Tensor:
+    loss = loss_fn(inputs, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def train(
+    model: Qwen2ForCausalLM,
+    examples: Examples,
+    config: TrainConfig,
+    pad_id: int,
+    log: Callable[[str], None] = print,
+    stop: StopFlag | None = None,
+) -> dict:
+    """Train in place until the step or time budget runs out; return a summary."""
+    device = pick_device(config.device)
+    torch.manual_seed(config.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model.to(device).train()
+    optimizer = make_optimizer(model, config, device)
+    loss_fn = loss_function(model, device)
+    progress = Progress(config.minutes * 60, config.max_steps)
+    compiled = compile_layers(model, config.compile, device, log)
+    meter = LossMeter(device, config.log_every_s)
+    stop = stop or StopFlag()
+    count = Counts()
+    log(f"training on {device}: {len(examples)} examples, {examples.target_tokens} answer tokens")
+    for count.epoch, rows in batch_stream(
+        examples, config.batch_tokens, np.random.default_rng(config.seed)
+    ):
+        if count.steps >= config.max_steps or progress.out_of_time() or stop.stop:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(config, count.steps, progress.fraction(count.steps))
+        inputs_np, targets_np = make_batch(examples, rows, pad_id)
+        inputs, targets = _to_device(inputs_np, device), _to_device(targets_np, device)
+        try:
+            loss = train_step(model, optimizer, loss_fn, inputs, targets, config.grad_clip)
+        except Exception as error:  # noqa: BLE001 - a compiled-graph failure
+            if not compiled:
+                raise
+            log(f"compiled step failed ({type(error).__name__}: {error}); continuing eagerly")
+            optimizer.zero_grad(set_to_none=True)
+            decompile_layers(model)
+            compiled = False
+            loss = train_step(model, optimizer, loss_fn, inputs, targets, config.grad_clip)
+        count.steps += 1
+        count.tokens += inputs_np.size
+        count.real_tokens += int((examples.lengths[rows] - 1).sum())
+        meter.add(loss, inputs_np.size)
+        if count.steps == 1:
+            note = " (includes compile)" if compiled else ""
+            log(f"first step done after {progress.first_step_done():.1f}s{note}")
+        line = meter.report(count.steps, time.time() - progress.start_s)
+        if line:
+            lr = optimizer.param_groups[0]["lr"]
+            log(f"step {count.steps} epoch {count.epoch} lr {lr:.2e} {line}")
+    meter.report(count.steps, time.time() - progress.start_s, force=True)
+    decompile_layers(model)  # evaluation and export run eagerly: no second compile
+    count.compiled = compiled
+    count.stopped_by = (
+        "signal" if stop.stop else ("steps" if count.steps >= config.max_steps else "time")
+    )
+    return training_summary(config, device, progress, meter, count)
+
+
+@dataclass
+class Counts:
+    steps: int = 0
+    epoch: int = 0
+    tokens: int = 0  # padded batch tokens
+    real_tokens: int = 0
+    compiled: bool = False
+    stopped_by: str = ""
+
+
+def training_summary(config, device, progress: Progress, meter: LossMeter, count: Counts) -> dict:
+    """The figures recipe.json keeps."""
+    train_s = time.time() - progress.start_s
+    steady_s = time.time() - (progress.first_step_end or progress.start_s)
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "steps": count.steps,
+        "epochs_completed": count.epoch,
+        "final_loss": meter.last_loss,
+        "train_s": round(train_s, 1),
+        "first_step_s": round((progress.first_step_end or time.time()) - progress.start_s, 1),
+        "tokens_seen": count.tokens,
+        "real_tokens_seen": count.real_tokens,
+        "tokens_per_s": round(count.tokens / max(1e-9, train_s)),
+        "steady_tokens_per_s": (
+            round(count.tokens / max(1e-9, steady_s)) if count.steps > 1 else None
+        ),
+        "stopped_by": count.stopped_by,
+        "compiled": count.compiled,
+        "loss_curve": meter.curve,
+        "config": asdict(config),
+    }
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: Qwen2ForCausalLM, examples: Examples, pad_id: int, batch_tokens: int, max_batches: int
+) -> float:
+    """Mean answer-token loss over a few batches."""
+    if len(examples) == 0:
+        return float("nan")
+    device = next(model.parameters()).device
+    model.eval()
+    loss_fn = loss_function(model, device)
+    total, count = 0.0, 0
+    batches = plan_batches(examples, batch_tokens, np.random.default_rng(0))[:max_batches]
+    for rows in batches:
+        inputs_np, targets_np = make_batch(examples, rows, pad_id)
+        n = int((targets_np != IGNORE_INDEX).sum())
+        loss = loss_fn(_to_device(inputs_np, device), _to_device(targets_np, device))
+        total += loss.item() * n
+        count += n
+    model.train()
+    return total / max(1, count)

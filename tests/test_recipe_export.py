@@ -1,0 +1,237 @@
+"""The torch model of the recipe and the same weights loaded by mlx-lm agree."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm import load  # noqa: E402
+
+from recipe import tokenizer as tok  # noqa: E402
+from recipe.train import ModelConfig, Qwen2ForCausalLM, count_parameters, export_model  # noqa: E402
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "Rename the local variable `count` to `total` everywhere in this function.",
+    "class Point:\n    def norm(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n",
+]
+
+
+def tiny_model(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=256,
+    )
+    model = Qwen2ForCausalLM(config)
+    # Wider than the training init, and non-trivial norms and biases, so that a wrong
+    # layout (rope halves, GQA grouping, bias, norm) shows up in the logits.
+    model.reset_parameters(std=0.2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                param.add_(torch.randn_like(param) * 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tok.train_tokenizer(CORPUS * 10, vocab_size=300)
+
+
+def export(tmp_path, model, tokenizer, dtype):
+    ids = tok.special_token_ids(tokenizer)
+    export_model(model, tmp_path, ids["<|im_end|>"], ids["<|endoftext|>"], dtype=dtype)
+    tok.save_tokenizer(tokenizer, tmp_path)
+    return tmp_path
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": CORPUS[0]}]
+    return tokenizer.encode(tok.render_chat(messages)).ids
+
+
+def mlx_logits(path, ids: list[int]) -> np.ndarray:
+    model, _ = load(str(path))
+    model.set_dtype(mx.float32)
+    return np.array(model(mx.array([ids]))[0])
+
+
+def torch_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).float().numpy()[0]
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, rel: float) -> None:
+    scale = np.abs(expected).max()
+    assert np.abs(actual - expected).max() <= rel * scale, np.abs(actual - expected).max() / scale
+
+
+def test_float32_export_matches_torch(tmp_path, tokenizer):
+    model = tiny_model(tokenizer.get_vocab_size())
+    path = export(tmp_path, model, tokenizer, torch.float32)
+    ids = prompt_ids(tokenizer)
+    assert len(ids) > 20
+    assert_close(mlx_logits(path, ids), torch_logits(model, ids), rel=1e-3)
+
+
+def test_bfloat16_export_matches_rounded_torch_weights(tmp_path, tokenizer):
+    model = tiny_model(tokenizer.get_vocab_size(), seed=1)
+    path = export(tmp_path, model, tokenizer, torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    ids = prompt_ids(tokenizer)
+    assert_close(mlx_logits(path, ids), torch_logits(model, ids), rel=1e-3)
+
+
+def test_export_layout_and_config(tmp_path, tokenizer):
+    model = tiny_model(tokenizer.get_vocab_size())
+    path = export(tmp_path, model, tokenizer, torch.bfloat16)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert config["tie_word_embeddings"] is True
+    assert config["torch_dtype"] == "bfloat16"
+    assert config["eos_token_id"] == tokenizer.token_to_id("<|im_end|>")
+    weights = mx.load(str(path / "model.safetensors"))
+    assert "model.embed_tokens.weight" in weights and "lm_head.weight" not in weights
+    assert "model.layers.1.self_attn.q_proj.bias" in weights
+    assert "model.layers.1.self_attn.o_proj.bias" not in weights
+    assert all(w.dtype == mx.bfloat16 for w in weights.values())
+    assert sum(w.size for w in weights.values()) == count_parameters(model)
+
+
+def test_default_model_fits_the_size_budget():
+    model = Qwen2ForCausalLM(ModelConfig())
+    assert 6_000_000 <= count_parameters(model) <= 7_000_000
+    assert count_parameters(model) * 2 <= 14_000_000  # bf16 bytes
+
+
+def test_loaded_model_generates_with_chat_template(tmp_path, tokenizer):
+    from mlx_lm import generate
+
+    path = export(tmp_path, tiny_model(tokenizer.get_vocab_size()), tokenizer, torch.bfloat16)
+    model, wrapper = load(str(path))
+    prompt = wrapper.apply_chat_template(
+        [{"role": "user", "content": "def add"}], add_generation_prompt=True
+    )
+    assert prompt == tokenizer.encode(tok.render_chat([{"role": "user", "content": "def add"}])).ids
+    text = generate(model, wrapper, prompt, max_tokens=8)
+    assert isinstance(text, str)
+
+
+# ---------------------------------------------------------------- training loop
+
+
+def test_make_batch_puts_loss_on_answer_tokens_only():
+    import numpy as np
+
+    from recipe.train import IGNORE_INDEX, Examples, make_batch
+
+    examples = Examples.from_pairs([[1, 5, 6], [1, 9]], [[7, 8, 2], [2]], max_len=64)
+    inputs, targets = make_batch(examples, np.array([0, 1]), pad_id=0, bucket=8)
+    x = IGNORE_INDEX
+    assert inputs.tolist() == [[1, 5, 6, 7, 8, 0, 0, 0], [1, 9, 0, 0, 0, 0, 0, 0]]
+    assert targets.tolist() == [[x, x, 7, 8, 2, x, x, x], [x, 2, x, x, x, x, x, x]]
+
+
+def test_from_pairs_drops_examples_longer_than_max_len():
+    from recipe.train import Examples
+
+    examples = Examples.from_pairs([[1] * 5, [1] * 3], [[2] * 4, [2] * 2], max_len=6)
+    assert examples.lengths.tolist() == [5]
+    assert examples.target_tokens == 2
+
+
+def test_plan_batches_uses_each_example_once_within_the_token_budget():
+    import numpy as np
+
+    from recipe.train import Examples, plan_batches
+
+    rng = np.random.default_rng(0)
+    prompts = [[1] * int(n) for n in rng.integers(2, 200, size=300)]
+    examples = Examples.from_pairs(prompts, [[2, 3]] * 300, max_len=512)
+    batches = plan_batches(examples, batch_tokens=1024, rng=rng, bucket=64)
+    used = np.concatenate(batches)
+    assert len(used) == len(set(used.tolist())) and len(used) >= 280
+    for rows in batches:
+        width = -(-(examples.lengths[rows] - 1).max() // 64) * 64
+        assert len(rows) * width <= 1024 and len(rows) > 1
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    from recipe.train import TrainConfig, lr_at
+
+    config = TrainConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(config, 0, 0.0) == pytest.approx(1e-4)
+    assert lr_at(config, 9, 0.0) == pytest.approx(1e-3)
+    assert lr_at(config, 500, 0.5) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+    assert lr_at(config, 900, 1.0) == pytest.approx(1e-4)
+
+
+def test_training_learns_to_copy():
+    import numpy as np
+
+    from recipe.train import Examples
+
+    rng = np.random.default_rng(0)
+    prompts, answers = [], []
+    for _ in range(256):
+        body = rng.integers(4, 32, size=8).tolist()
+        prompts.append([1, *body, 3])  # 3 separates the prompt from the copy
+        answers.append([*body, 2])
+    examples = Examples.from_pairs(prompts, answers, max_len=64)
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    model = Qwen2ForCausalLM(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add sync cost (and CI is shared)
+    try:
+        before, summary, after = _train_copy_task(model, examples)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["steps"] == 150 and summary["stopped_by"] == "steps"
+    assert before > 3.0 and after < 0.5 * before, (before, after)
+
+
+def _train_copy_task(model, examples):
+    from recipe.train import TrainConfig, evaluate_loss, train
+
+    before = evaluate_loss(model, examples, 0, batch_tokens=1024, max_batches=4)
+    summary = train(
+        model,
+        examples,
+        TrainConfig(
+            max_steps=150,
+            minutes=1.0,
+            batch_tokens=1024,
+            lr=3e-3,
+            warmup_steps=10,
+            device="cpu",
+            compile="off",
+            log_every_s=1.0,
+        ),
+        pad_id=0,
+        log=lambda message: None,
+    )
+    after = evaluate_loss(model, examples, 0, batch_tokens=1024, max_batches=4)
+    return before, summary, after
