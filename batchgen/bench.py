@@ -312,7 +312,10 @@ def save_results(result: dict, out_json: Path, out_png: Path | None) -> None:
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=2) + "\n")
     if out_png is not None:
-        plot(result, out_png)
+        try:
+            plot(result, out_png)
+        except ImportError:
+            print(f"no plot: matplotlib is not installed (pip install -e '.[bench]')")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -372,20 +375,22 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list[int], n_jobs: int, sequen
         mx.reset_peak_memory()
         start = time.perf_counter()
         r = batch_generate(plain_model, tokenizer, prompts[:n], max_tokens=max_tokens[:n],
-                           completion_batch_size=b, prefill_batch_size=min(b, 8))  # fmt: skip
-        return time.perf_counter() - start, r.texts, mx.get_peak_memory() / 1e9
+                           completion_batch_size=b, prefill_batch_size=min(b, 8),
+                           return_token_ids=True)  # fmt: skip
+        tokens = sum(len(ids) for ids in r.token_ids)
+        return time.perf_counter() - start, r.texts, tokens, mx.get_peak_memory() / 1e9
 
-    plain(min(batch_sizes), min(4, len(jobs)))  # warm-up, both sides
-    ours(min(batch_sizes), jobs[:4])
     rows = []
     for b in batch_sizes:
         n = len(jobs) if b > 1 else min(sequential_jobs, len(jobs))
-        p_wall, p_texts, p_mem = plain(b, n)
+        plain(b, min(b, n))  # warm-up at this batch size, both sides
+        ours(b, jobs[: min(b, n)])
+        p_wall, p_texts, p_tokens, p_mem = plain(b, n)
         o_wall, o_results, o_mem = ours(b, jobs[:n])
-        o_tokens = sum(r.usage.completion_tokens for r in o_results)
+        # batch_generate's token ids leave out the EOS that ended a sequence
+        o_tokens = sum(r.usage.completion_tokens - (r.finish_reason == "stop") for r in o_results)
         by_id = {r.id: r.text or "" for r in o_results}
         same = sum(by_id.get(j.id, "").strip() == t.strip() for j, t in zip(jobs[:n], p_texts))
-        p_tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in p_texts)
         row = {
             "batch_size": b, "jobs": n,
             "mlx_lm_batch_generate": {"wall_s": p_wall, "tokens_per_s": p_tokens / p_wall, "peak_memory_gb": p_mem},

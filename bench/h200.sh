@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Measurements on an NVIDIA H200 with MLX's CUDA backend (see ../shared/gpu/README.md).
+# Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
+#   bash bench/h200.sh STAGE [STAGE ...]      (stages: env train fusion demo pool pld throughput turboquant)
+# Every result lands under $OUT/results (logs + JSON); the trained demo model goes to
+# $DEMO (default /root/demo, kept while the machine stays warm) and to $OUT/demo.tar.
+set -u
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+OUT=${OUT:-/tmp/out}
+DEMO=${DEMO:-/root/demo}
+R=$OUT/results
+mkdir -p "$R"
+BG="python3 -m batchgen bench"
+
+DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # the whole call's time; results are packed after it
+
+step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, print its tail
+  local name=$1 limit=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 15)); then echo "=== $name skipped: out of time"; return; fi
+  ((limit > left)) && limit=$left
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$R/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s"
+  tail -n 3 "$R/$name.log"
+}
+
+stage_env() {
+  step env 60 python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info())"
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv >"$R/nvidia-smi.txt" 2>&1
+}
+
+stage_train() {
+  step train 540 python3 -m recipe.build --out "$DEMO" --minutes "${TRAIN_MINUTES:-5}" --eval-limit 40
+  (cd "$DEMO" && tar cf "$OUT/demo.tar" .)
+}
+
+stage_fusion() {  # fused vs unfused decode, random weights of real shapes
+  step fusion 420 python3 bench/fusion_micro.py --shapes 0.5b,1.5b,7b,moe --dtypes bf16,4bit \
+    --tokens 128 --prompt-tokens 512 --rounds 3 --out "$R/fusion_micro.json"
+}
+
+stage_demo() {  # issue 3: the demo model, every technique on, against plain mlx-lm
+  step demo_edits 240 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 40 --out "$R/demo_edits.json"
+  step demo_freeform 200 $BG jobs/freeform.jsonl --model "$DEMO" --max-jobs 30 --out "$R/demo_freeform.json"
+  for s in qwen2.5-0.5b qwen2.5-7b; do
+    step "shape_${s}" 200 $BG --shape "$s" --model "$DEMO" --synthetic 512 --synthetic-jobs 3 --max-tokens 200 \
+      --draft none --no-prompt-cache --out "$R/shape_${s}.json"
+  done
+  step "shape_qwen2.5-1.5b" 200 $BG --shape qwen2.5-1.5b --model "$DEMO" --synthetic 512 --synthetic-jobs 3 --max-tokens 200 \
+    --draft none --no-prompt-cache --out "$R/shape_qwen2.5-1.5b.json"
+  step "shape_qwen2.5-7b-4bit" 200 $BG --shape qwen2.5-7b --model "$DEMO" --quantize 4 --synthetic 512 --synthetic-jobs 3 \
+    --max-tokens 200 --draft none --no-prompt-cache --out "$R/shape_qwen2.5-7b-4bit.json"
+}
+
+stage_pld() {  # issue 6: PLD alone (fusion and pool off on both sides' difference)
+  step pld_edits 240 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 40 --no-fuse --no-prompt-cache \
+    --out "$R/pld_edits.json"
+  step pld_edits_sync 240 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 40 --no-fuse --no-prompt-cache \
+    --pld-dynamic-shapes --out "$R/pld_edits_dynamic.json"
+  step pld_freeform 200 $BG jobs/freeform.jsonl --model "$DEMO" --max-jobs 30 --no-fuse --no-prompt-cache \
+    --out "$R/pld_freeform.json"
+  for s in qwen2.5-0.5b qwen2.5-7b; do
+    step "pld_${s}" 200 $BG jobs/edits.jsonl --shape "$s" --model "$DEMO" --max-jobs 4 --max-tokens 128 --no-fuse \
+      --no-prompt-cache --out "$R/pld_${s}.json"
+  done
+}
+
+stage_pool() {  # issue 5: time to first token with and without the prewarmed pool
+  for f in long-system edits; do
+    step "pool_${f}" 200 $BG "jobs/$f.jsonl" --model "$DEMO" --max-jobs 12 --max-tokens 32 --draft none \
+      --no-fuse --out "$R/pool_${f}.json"
+  done
+  for s in qwen2.5-0.5b qwen2.5-7b; do
+    step "pool_${s}" 200 $BG jobs/long-system.jsonl --shape "$s" --model "$DEMO" --max-jobs 6 --max-tokens 16 --draft none \
+      --no-fuse --out "$R/pool_${s}.json"
+  done
+}
+
+stage_throughput() {  # issue 8: whole-file throughput against mlx-lm's batch_generate
+  step tp_demo 420 $BG jobs/edits.jsonl --model "$DEMO" --throughput 1,8,32,64 --jobs-total 256 \
+    --max-tokens 128 --out "$R/throughput_demo.json"
+  step tp_0.5b 420 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 1,8,32 --jobs-total 256 \
+    --max-tokens 128 --out "$R/throughput_0.5b.json"
+}
+
+stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache
+  for s in qwen2.5-0.5b qwen2.5-7b; do
+    for n in 1024 8192 32768; do
+      step "tq_${s}_${n}" 300 $BG --shape "$s" --model "$DEMO" --synthetic "$n" --synthetic-jobs 2 --max-tokens 64 \
+        --draft none --no-prompt-cache --no-fuse --kv-cache turboquant --kv-bits 4 --out "$R/tq_${s}_${n}.json"
+    done
+  done
+}
+
+for s in "$@"; do "stage_$s"; done
+(cd "$OUT" && tar czf results.tgz results && rm -rf results)
