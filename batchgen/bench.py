@@ -159,11 +159,7 @@ def load_pair(cfg: BenchConfig):
         plain, tokenizer, config = load_model(cfg.engine.model)
         ours, _, _ = load_model(cfg.engine.model)
     engine = Engine(ours, copy.copy(tokenizer), cfg.engine, config)
-    if cfg.engine.fuse:
-        from .fusion import fuse_model
-
-        engine.fusion_report = fuse_model(ours)
-    mx.clear_cache()
+    engine.make_fast()
     return plain, tokenizer, engine, config
 
 

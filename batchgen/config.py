@@ -75,6 +75,9 @@ class EngineConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
+    # Plain-op attention for passes of 2..256 queries (PLD verify, prompt tails):
+    # None = where the fused kernel builds per shape (MLX's CUDA backend).
+    short_attention: bool | None = None
     batch_size: int | str | None = 1  # None: the device's default; "auto": fit the KV budget
     kv_budget_bytes: int | None = None  # batch KV cache budget (None: half the free memory)
     prefill_step_size: int = 2048

@@ -106,6 +106,14 @@ def context_length(config: dict) -> int | None:
     return cfg.get("max_position_embeddings") or config.get("max_position_embeddings")
 
 
+def short_attention_wanted(setting: bool | None) -> bool:
+    """On by default on MLX's CUDA backend, whose fused attention builds a kernel
+    per new shape of a multi-query pass (see attention.py)."""
+    if setting is not None:
+        return setting
+    return mx.default_device().type == mx.gpu and not mx.metal.is_available()
+
+
 def default_batch_size() -> int:
     """Batching pays where a step is bound by per-pass overhead, as on a GPU;
     on a CPU a step costs in proportion to its rows."""
@@ -252,6 +260,7 @@ class Engine:
         self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
         self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
+        self.short_attention = short_attention_wanted(config.short_attention)
         self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget()
         static = config.decode.pld_static_shapes
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
@@ -261,14 +270,22 @@ class Engine:
         timer = Timer()
         model, tokenizer, model_config = load_model(config.model)
         engine = cls(model, tokenizer, config, model_config)
-        if config.fuse:
-            from .fusion import fuse_model
-
-            engine.fusion_report = fuse_model(model)
-        mx.clear_cache()
-        engine.model_memory_gb = mx.get_active_memory() / 1e9
+        engine.make_fast()
         engine.load_s = timer.elapsed_s
         return engine
+
+    def make_fast(self) -> None:
+        """Load-time transforms: weight fusion, and the short-pass attention hook."""
+        if self.config.fuse:
+            from .fusion import fuse_model
+
+            self.fusion_report = fuse_model(self.model)
+        if self.short_attention:
+            from .attention import install_short_attention
+
+            install_short_attention(self.model)
+        mx.clear_cache()
+        self.model_memory_gb = mx.get_active_memory() / 1e9
 
     @property
     def digest(self) -> str:
@@ -311,7 +328,12 @@ class Engine:
             return make_turboquant_cache(self.model, bits=kv.bits, trim_reserve=reserve)
         from mlx_lm.models.cache import make_prompt_cache
 
-        return make_prompt_cache(self.model)
+        cache = make_prompt_cache(self.model)
+        if self.short_attention:
+            from .attention import mark_cache
+
+            mark_cache(cache)
+        return cache
 
     # -- prewarm ----------------------------------------------------------
 

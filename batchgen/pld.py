@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from .sampling import pick, target_logits
 
@@ -37,10 +36,10 @@ def find_draft(tokens: Sequence[int], ngram_size: int, max_lookup: int) -> list[
     context's last n-gram.
 
     Search order: n from `ngram_size` down to 1 (a longer n-gram is a more
-    specific match); among the earlier occurrences of that n-gram, the one
-    whose preceding tokens agree with the context's for longest (up to 32
-    back), the most recent of those on ties (edits move forward through
-    their source, so recent matches continue best).
+    specific match); among the (at most 64 most recent) earlier occurrences of
+    that n-gram, the one whose preceding tokens agree with the context's for
+    longest (up to 32 back), the most recent of those on ties (edits move
+    forward through their source, so recent matches continue best).
 
     Worked example, ngram_size=3, max_lookup=3:
 
@@ -59,58 +58,90 @@ def find_draft(tokens: Sequence[int], ngram_size: int, max_lookup: int) -> list[
 
     >>> find_draft([8, 1, 2, 1, 2], 2, 5)  # [1, 2] at 1, then the copy repeats
     [1, 2, 1, 2, 1]
+
+    `NgramIndex` gives the same answers incrementally, for decoding loops.
     """
     if max_lookup <= 0 or len(tokens) < 2:
         return []
-    a = np.asarray(tokens, dtype=np.int64)
-    size = len(a)
-    for n in range(min(ngram_size, size - 1), 0, -1):
-        starts = _ngram_starts(a, n)
-        if starts.size:
-            return _continuation(a, _best_start(a, starts, n) + n, max_lookup)
+    a = list(tokens)
+    for n in range(min(ngram_size, len(a) - 1), 0, -1):
+        suffix = a[-n:]
+        starts = [i for i in range(len(a) - n) if a[i : i + n] == suffix]
+        if starts:
+            return _continuation(a, _best_start(a, starts[-_MAX_CANDIDATES:], n) + n, max_lookup)
     return []
 
 
-def _continuation(a: np.ndarray, start: int, length: int) -> list[int]:
+_MAX_CANDIDATES = 64  # the most recent occurrences of an n-gram that are ranked
+
+
+def _best_start(a: list[int], starts: list[int], n: int) -> int:
+    """The candidate with the longest agreeing context before it, latest on ties."""
+    suffix_start = len(a) - n
+    best, best_agree = starts[-1], -1
+    for s in reversed(starts):  # latest first, so ties keep the latest
+        agree = 0
+        while agree < _RANK_CONTEXT and s - agree - 1 >= 0 and a[s - agree - 1] == a[suffix_start - agree - 1]:
+            agree += 1
+        if agree > best_agree:
+            best, best_agree = s, agree
+    return best
+
+
+def _continuation(a: list[int], start: int, length: int) -> list[int]:
     """`length` tokens copied from `start`, running on into the copy itself
     when the source reaches the end (LZ77's overlapping copy), so a match
     close behind the suffix still drafts a full, periodic continuation."""
-    out = a[start : start + length].tolist()
+    out = a[start : start + length]
     period = len(a) - start
     while len(out) < length:
         out.append(out[len(out) - period])
     return out
 
 
-def _ngram_starts(a: np.ndarray, n: int) -> np.ndarray:
-    """Start positions i < len(a) - n of earlier copies of the last n tokens
-    that are followed by at least one token."""
-    body = a[:-1]
-    if body.size < n:
-        return np.empty(0, dtype=np.int64)
-    windows = np.lib.stride_tricks.sliding_window_view(body, n)
-    hits = np.nonzero((windows == a[-n:]).all(axis=1))[0]
-    return hits[hits + n < len(a)]
+class NgramIndex:
+    """`find_draft` over a growing token list, without rescanning it: the
+    start positions of every n-gram (n <= ngram_size) are kept in a dict, so
+    a lookup costs O(candidates), not O(context)."""
 
+    def __init__(self, tokens: Sequence[int], ngram_size: int):
+        self.tokens: list[int] = []
+        self.ngram_size = ngram_size
+        self._starts: list[dict] = [{} for _ in range(ngram_size + 1)]
+        self.extend(tokens)
 
-def _best_start(a: np.ndarray, starts: np.ndarray, n: int) -> int:
-    """The candidate with the longest agreeing context before it, latest on ties."""
-    if starts.size == 1:
-        return int(starts[0])
-    suffix_start = len(a) - n
-    agree = np.zeros(starts.size, dtype=np.int64)
-    alive = np.ones(starts.size, dtype=bool)
-    for back in range(1, _RANK_CONTEXT + 1):
-        pos = starts - back
-        ok = alive & (pos >= 0) & (suffix_start - back >= 0)
-        if suffix_start - back >= 0:
-            ok &= a[np.maximum(pos, 0)] == a[suffix_start - back]
-        agree += ok
-        alive = ok
-        if not alive.any():
-            break
-    top = agree.max()
-    return int(starts[agree == top].max())
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(t)
+            end = len(self.tokens)
+            for n in range(1, min(self.ngram_size, end) + 1):
+                self._starts[n].setdefault(tuple(self.tokens[end - n : end]), []).append(end - n)
+
+    def truncate(self, length: int) -> None:
+        """Drop tokens from the end, back to `length` (their n-grams were the
+        latest entries of their lists)."""
+        while len(self.tokens) > length:
+            end = len(self.tokens)
+            for n in range(1, min(self.ngram_size, end) + 1):
+                key = tuple(self.tokens[end - n : end])
+                starts = self._starts[n][key]
+                starts.pop()
+                if not starts:
+                    del self._starts[n][key]
+            self.tokens.pop()
+
+    def draft(self, max_lookup: int) -> list[int]:
+        a = self.tokens
+        if max_lookup <= 0 or len(a) < 2:
+            return []
+        for n in range(min(self.ngram_size, len(a) - 1), 0, -1):
+            starts = self._starts[n].get(tuple(a[-n:]), [])[-_MAX_CANDIDATES - 1 : -1]
+            if starts:  # the list's last entry is the suffix itself
+                return _continuation(a, _best_start(a, starts, n) + n, max_lookup)
+        return []
 
 
 # ---------------------------------------------------------------------------
@@ -128,22 +159,41 @@ class _Ema:
 
 @dataclass
 class DraftPolicy:
-    """Run-wide measurements that decide whether a draft is worth verifying.
+    """Run-wide measurements that decide whether drafts are worth verifying.
 
-    A verify pass of L tokens yields 1 + a + a^2 + ... + a^m tokens on average
-    (m drafted, a = per-token acceptance); a plain step yields 1. Verify when
-    that, per second of a verify pass, beats plain tokens per second.
+    All three are realized figures, not a model of them: the seconds a plain
+    token takes (pipelined steps), the seconds a verify pass takes (syncs and
+    mispredicted pipelined passes included), and the tokens a verify pass
+    yields. A job verifies while its expected tokens per pass, per second of
+    a pass, beat plain tokens per second by `margin`. Drafts it skips are
+    scored against what the model then writes, so the job keeps learning
+    what a verify would have yielded and turns drafting back on when it pays.
     """
 
-    plain_s: _Ema = field(default_factory=_Ema)  # pipelined plain step, per token
-    verify_s: dict = field(default_factory=dict)  # verify length L -> _Ema seconds
-    accepted: int = 0
-    rejected: int = 0
-    skipped_since_verify: int = 0
-    prior_verify_ratio: float = 1.3  # verify(L)/plain before anything is measured
-    explore_every: int = 64  # skipped drafts between forced verifies (re-measure)
+    plain_token_s: _Ema = field(default_factory=_Ema)
+    verify_pass_s: _Ema = field(default_factory=_Ema)
+    tokens_per_pass: _Ema = field(default_factory=lambda: _Ema(weight=0.05))
     adaptive: bool = True  # False: verify every draft found
     calibrated: bool = False
+    margin: float = 1.05
+    job_prior_passes: float = 4.0  # weight of the run's tokens-per-pass in a job's estimate
+    explore_every: int = 64  # skipped drafts between forced verifies (keeps costs measured)
+    accepted: int = 0  # draft tokens accepted, run-wide (for the record)
+    drafted: int = 0
+
+    def worth(self, job_tokens: float, job_passes: float, skipped: int) -> bool:
+        """Verify the draft at hand? `job_*`: this job's (shadow-)verify record."""
+        if not self.adaptive:
+            return True
+        plain, verify = self.plain_token_s.value, self.verify_pass_s.value
+        prior = self.tokens_per_pass.value
+        if plain is None or verify is None or prior is None:
+            return True  # nothing measured yet: try
+        w = self.job_prior_passes
+        expected = (job_tokens + w * prior) / (job_passes + w)
+        if expected / verify > self.margin / plain:
+            return True
+        return skipped > 0 and skipped % self.explore_every == 0
 
     def calibrate(self, model, cache: list, token: int, lengths: list[int], steps: int = 6) -> None:
         """Time plain pipelined steps and verify passes of `lengths` tokens on
@@ -160,62 +210,13 @@ class DraftPolicy:
                 mx.async_eval(y)
             y.item()
             if timed:
-                self.plain_s.add((time.perf_counter() - start) / steps)
+                self.plain_token_s.add((time.perf_counter() - start) / steps)
             for length in lengths:
                 start = time.perf_counter()
                 mx.eval(mx.argmax(model(mx.array([token] * length)[None], cache=scratch), axis=-1))
                 if timed:
-                    self.verify_s.setdefault(length, _Ema()).add(time.perf_counter() - start)
+                    self.verify_pass_s.add(time.perf_counter() - start)
         self.calibrated = True
-
-    def acceptance(self, job_accepted: int = 0, job_rejected: int = 0) -> float:
-        # The job's own counts, with the run's rate as a prior worth 8 drafts.
-        total = self.accepted + self.rejected
-        run_rate = (self.accepted + 1) / (total + 2)
-        return (job_accepted + 8 * run_rate) / (job_accepted + job_rejected + 8)
-
-    def verify_cost(self, length: int) -> float | None:
-        """Seconds of a verify pass of `length` tokens: measured, else linear
-        through the two nearest measured lengths (or one and a plain step)."""
-        if length in self.verify_s:
-            return self.verify_s[length].value
-        plain = self.plain_s.value
-        if not self.verify_s:
-            return None if plain is None else plain * self.prior_verify_ratio
-        points = sorted(self.verify_s, key=lambda L: abs(L - length))[:2]
-        (l0, c0) = points[0], self.verify_s[points[0]].value
-        if len(points) == 2:
-            l1, c1 = points[1], self.verify_s[points[1]].value
-        elif plain is not None:
-            l1, c1 = 1, plain
-        else:
-            return c0
-        slope = max((c1 - c0) / (l1 - l0), 0.0)
-        return max(c0 + slope * (length - l0), 0.0)
-
-    def expected_tokens(self, m: int, rate: float) -> float:
-        return 1.0 + sum(rate**i for i in range(1, m + 1))
-
-    def best_length(self, found: int, rate: float, pad_to: int | None) -> int:
-        """Draft tokens to verify (0 = a plain step pays better)."""
-        plain = self.plain_s.value
-        if plain is None or not self.adaptive:
-            return found  # nothing measured yet: try drafting
-        best_m, best_gain = 0, 1.0 / plain
-        for m in range(1, found + 1):
-            cost = self.verify_cost(pad_to or (m + 1))
-            if cost is None:
-                return found
-            gain = self.expected_tokens(m, rate) / cost
-            if gain > best_gain:
-                best_m, best_gain = m, gain
-        if best_m == 0:
-            self.skipped_since_verify += 1
-            if self.skipped_since_verify >= self.explore_every:
-                best_m = found  # verify now and then, so costs stay measured
-        if best_m:
-            self.skipped_since_verify = 0
-        return best_m
 
 
 # ---------------------------------------------------------------------------
@@ -273,20 +274,27 @@ class PLDDecoder:
         pipeline: bool = True,
     ):
         self.model, self.cache, self.sampling, self.keys = model, cache, sampling, keys
-        self.ngram_size, self.max_lookup = ngram_size, max_lookup
+        self.max_lookup = max_lookup
         self.stats, self.remaining, self.policy = stats, remaining, policy
         self.pad_to = pad_to
         self.stream = stream
-        self.ctx = list(prompt)  # prompt + generated; the last token is not in the cache yet
+        # prompt + generated; the last token is not in the cache yet
+        self.index = NgramIndex(prompt, ngram_size)
         self.prompt_len = len(prompt)
         self.recurrent = _split_cache(cache)
-        self.job_accepted = 0
-        self.job_rejected = 0
         self.shadow: _Shadow | None = None
+        # This job's verify record (shadows included): tokens per pass.
+        self.job_tokens = 0
+        self.job_passes = 0
+        self.skipped = 0
         # Queue the next verify pass before reading the current one: greedy
         # only (a sampled pass's outcome cannot be guessed), and not where
         # recurrent layers need a snapshot per pass.
         self.pipelined = pipeline and sampling.greedy and not self.recurrent
+
+    @property
+    def ctx(self) -> list[int]:
+        return self.index.tokens
 
     @property
     def generated(self) -> int:
@@ -318,14 +326,21 @@ class PLDDecoder:
         limit = min(self.max_lookup, self.remaining() - 1)
         if limit <= 0:
             return []
-        found = find_draft(self.ctx, self.ngram_size, limit)
+        found = self.index.draft(limit)
         if not found:
             return []
-        rate = self.policy.acceptance(self.job_accepted, self.job_rejected)
-        m = self.policy.best_length(len(found), rate, self.pad_to)
-        if m == 0:
-            self.shadow = _Shadow(found)
-        return found[:m]
+        if self.policy.worth(self.job_tokens, self.job_passes, self.skipped):
+            return found
+        self.skipped += 1
+        self.shadow = _Shadow(found)
+        return []
+
+    def _record(self, tokens: int, passes: int) -> None:
+        """What verify passes yielded (or would have: shadows)."""
+        self.job_tokens += tokens
+        self.job_passes += passes
+        if passes:
+            self.policy.tokens_per_pass.add(tokens / passes)
 
     def _score_shadow(self, token: int) -> None:
         s = self.shadow
@@ -335,16 +350,8 @@ class PLDDecoder:
             s.matched += 1
             if s.matched < len(s.draft):
                 return
-            self._count(s.matched, 0)
-        else:
-            self._count(s.matched, 1)
+        self._record(s.matched + 1, 1)  # a verify would have kept these + its own token
         self.shadow = None
-
-    def _count(self, accepted: int, rejected: int) -> None:
-        self.job_accepted += accepted
-        self.job_rejected += rejected
-        self.policy.accepted += accepted
-        self.policy.rejected += rejected
 
     # -- plain steps --------------------------------------------------------
 
@@ -356,7 +363,7 @@ class PLDDecoder:
         return pick(logits, self.sampling, None if self.keys is None else self.keys[t])
 
     def _plain_run(self) -> Iterator[int]:
-        """Pipelined plain steps until a draft is found (or the job ends)."""
+        """Pipelined plain steps until a draft that pays is found (or the job ends)."""
         self._queued = 0
         start, emitted = time.perf_counter(), 0
         cur = self._step(mx.array([self.ctx[-1]]))
@@ -368,7 +375,7 @@ class PLDDecoder:
             self._queued -= 1
             emitted += 1
             self._score_shadow(token)
-            self.ctx.append(token)
+            self.index.extend((token,))
             yield token
             if self.shadow is None and self._choose_draft():
                 break  # a draft that pays: verify it once `nxt` is in
@@ -379,8 +386,8 @@ class PLDDecoder:
         self._queued -= 1
         emitted += 1
         self._score_shadow(token)
-        self.ctx.append(token)
-        self.policy.plain_s.add((time.perf_counter() - start) / emitted)
+        self.index.extend((token,))
+        self.policy.plain_token_s.add((time.perf_counter() - start) / emitted)
         yield token
 
     # -- verify -------------------------------------------------------------
@@ -412,7 +419,8 @@ class PLDDecoder:
             n, bonus = self._accept_sampled(p.logits, p.draft)
         self.stats.pld_drafted += len(p.draft)
         self.stats.pld_accepted += n
-        self._count(n, 1 if n < len(p.draft) else 0)
+        self.policy.drafted += len(p.draft)
+        self.policy.accepted += n
         return n, bonus
 
     def _verify(self, draft: list[int]) -> list[int]:
@@ -421,10 +429,11 @@ class PLDDecoder:
         start = time.perf_counter()
         p = self._queue(self.ctx[-1], draft)
         n, bonus = self._resolve(p)
-        self.policy.verify_s.setdefault(p.length, _Ema()).add(time.perf_counter() - start)
         self._rollback(p.length, n, draft, p.saved)
+        self.policy.verify_pass_s.add(time.perf_counter() - start)
+        self._record(n + 1, 1 + (p.saved is not None and n < len(draft)))  # a replay is a pass too
         out = draft[:n] + [bonus]
-        self.ctx.extend(out)
+        self.index.extend(out)
         return out
 
     def _verify_run(self, draft: list[int]) -> Iterator[int]:
@@ -442,15 +451,17 @@ class PLDDecoder:
             nxt, guess = self._speculate(cur)
             n, bonus = self._resolve(cur)
             now = time.perf_counter()
-            self.policy.verify_s.setdefault(cur.length, _Ema()).add(now - last_read)
+            self.policy.verify_pass_s.add(now - last_read)
             last_read = now
             hit = nxt is not None and n == len(cur.draft) and bonus == guess
-            extra = cur.length - (n + 1) + (nxt.length if nxt is not None and not hit else 0)
+            wasted = nxt is not None and not hit
+            extra = cur.length - (n + 1) + (nxt.length if wasted else 0)
             if extra:
                 for c in self.cache:
                     c.trim(extra)
+            self._record(n + 1, 1 + wasted)
             out = cur.draft[:n] + [bonus]
-            self.ctx.extend(out)
+            self.index.extend(out)
             for token in out:
                 yield token
             if not hit:
@@ -464,36 +475,16 @@ class PLDDecoder:
         limit = min(self.max_lookup, self.remaining() - len(cur.draft) - 2)
         if limit <= 0:
             return None, None
-        guess = find_draft(self.ctx + cur.draft, self.ngram_size, limit + 1)
-        if len(guess) < 2:
+        before = len(self.index)
+        self.index.extend(cur.draft)
+        guess = self.index.draft(limit + 1)
+        self.index.truncate(before)
+        if len(guess) < 2 or not self.policy.worth(self.job_tokens, self.job_passes, 0):
             return None, None
-        rate = self.policy.acceptance(self.job_accepted, self.job_rejected)
-        m = self.policy.best_length(len(guess) - 1, rate, self.pad_to)
-        if m == 0:
-            return None, None
-        return self._queue(guess[0], guess[1 : 1 + m]), guess[0]
+        return self._queue(guess[0], guess[1:]), guess[0]
 
     def _accept_sampled(self, logits: mx.array, draft: list[int]) -> tuple[int, int]:
-        # Position i draws from keys[t + i]: one half decides acceptance of
-        # draft[i] (u < p(draft[i])), the other samples the residual (p without
-        # draft[i], renormalised) or, past the last draft, p itself.
-        m, t = len(draft), self.generated
-        target = target_logits(logits, self.sampling)  # (m + 1, vocab)
-        probs = mx.softmax(target, axis=-1)
-        accept_u, samples = [], []
-        for i in range(m + 1):
-            k_accept, k_sample = mx.random.split(self.keys[t + i])
-            row = target[i]
-            if i < m:
-                accept_u.append(mx.random.uniform(key=k_accept) < probs[i, draft[i]])
-                row = mx.where(mx.arange(row.shape[-1]) == draft[i], -mx.inf, row)
-            samples.append(mx.random.categorical(row, key=k_sample))
-        accepted = mx.stack(accept_u).tolist() if m else []
-        samples = mx.stack(samples).tolist()
-        n = 0
-        while n < m and accepted[n]:
-            n += 1
-        return n, samples[n]
+        return accept_sampled(logits, draft, self.sampling, self.keys, self.generated)
 
     def _rollback(self, length: int, n: int, draft: list[int], saved: dict | None) -> None:
         """Leave the cache holding [last, *draft[:n]] from this pass."""
@@ -515,6 +506,33 @@ class PLDDecoder:
         self.model(mx.array(keep)[None], cache=self.cache)
         mx.eval([c.state for c in self.cache])
         self.stats.forward_passes += 1
+
+
+def accept_sampled(logits: mx.array, draft: list[int], sampling, keys: mx.array, t: int) -> tuple[int, int]:
+    """Speculative sampling of a point-mass draft: (accepted drafts, next token).
+
+    Row i of `logits` is the model's distribution after draft[:i]. Position i
+    draws from keys[t + i]: one half decides acceptance of draft[i]
+    (u < p(draft[i])), the other samples the residual (p without draft[i],
+    renormalised) or, past the last draft, p itself.
+    """
+    m = len(draft)
+    target = target_logits(logits, sampling)  # (m + 1, vocab)
+    probs = mx.softmax(target, axis=-1)
+    accept_u, samples = [], []
+    for i in range(m + 1):
+        k_accept, k_sample = mx.random.split(keys[t + i])
+        row = target[i]
+        if i < m:
+            accept_u.append(mx.random.uniform(key=k_accept) < probs[i, draft[i]])
+            row = mx.where(mx.arange(row.shape[-1]) == draft[i], -mx.inf, row)
+        samples.append(mx.random.categorical(row, key=k_sample))
+    accepted = mx.stack(accept_u).tolist() if m else []
+    samples = mx.stack(samples).tolist()
+    n = 0
+    while n < m and accepted[n]:
+        n += 1
+    return n, samples[n]
 
 
 def pld_tokens(model, cache, prompt, sampling, keys, decode, stats, *, remaining, policy, pad_to, stream) -> Iterator[int]:

@@ -879,23 +879,36 @@ def _rotated_attention(q, parts, end, window, mask):
 # Hooking attention (optional, scoped)
 # --------------------------------------------------------------------------------------
 
-_STOCK_SDPA = None
-_PATCHED_MODULES: dict = {}
+_PATCHED_MODULES: dict = {}  # module name -> (module, the binding it replaced)
 
 
 def _attention_installed() -> bool:
     return bool(_PATCHED_MODULES)
 
 
-def _turboquant_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    """Drop-in for mlx_lm.models.base.scaled_dot_product_attention."""
-    if isinstance(cache, TurboQuantKVCache) and cache.routed:
-        # `keys`/`values` (the dequantized fetch) are left unused, so MLX's lazy graph
-        # never computes them.
-        return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
-    return _STOCK_SDPA(
-        queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
-    )
+def _wrap_turboquant(inner):
+    """A drop-in for mlx_lm.models.base.scaled_dot_product_attention: our path for a
+    routed TurboQuantKVCache, `inner` (whatever the module had) for any other cache."""
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, TurboQuantKVCache) and cache.routed:
+            # `keys`/`values` (the dequantized fetch) are left unused, so MLX's lazy
+            # graph never computes them.
+            return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
+        return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    sdpa.batchgen_turboquant = inner
+    return sdpa
+
+
+def _has_turboquant(fn) -> bool:
+    """Whether `fn` is our wrapper, or wraps it (other load-time hooks chain through
+    an attribute naming their inner function)."""
+    while fn is not None:
+        if hasattr(fn, "batchgen_turboquant"):
+            return True
+        fn = getattr(fn, "batchgen_short_attention", None)
+    return False
 
 
 def install_attention(model) -> List[str]:
@@ -906,24 +919,22 @@ def install_attention(model) -> List[str]:
     `hasattr(cache, "bits")` branch, which assumes mx.quantized_matmul's affine format.
     So the name is rebound, in the model-file modules that `model` is built from only,
     to a function that takes the rotated-domain path for a TurboQuantKVCache and calls
-    the stock function for any other cache (behaviour for those is unchanged).
-    Idempotent; `uninstall_attention()` restores the stock binding. Returns the modules
-    patched. Without it the cache still works (dequantize on fetch).
+    what was bound before for any other cache (behaviour for those is unchanged).
+    Idempotent; `uninstall_attention()` restores the previous bindings. Returns the
+    modules patched. Without it the cache still works (dequantize on fetch).
     """
     import sys
 
-    from mlx_lm.models import base
-
-    global _STOCK_SDPA
-    if _STOCK_SDPA is None:
-        _STOCK_SDPA = base.scaled_dot_product_attention
     names = {type(m).__module__ for _, m in model.named_modules()}
     patched = []
     for name in sorted(names):
         module = sys.modules.get(name)
-        if getattr(module, "scaled_dot_product_attention", None) is _STOCK_SDPA:
-            module.scaled_dot_product_attention = _turboquant_sdpa
-            _PATCHED_MODULES[name] = module
+        fn = getattr(module, "scaled_dot_product_attention", None)
+        if fn is None:
+            continue
+        if not _has_turboquant(fn):
+            module.scaled_dot_product_attention = _wrap_turboquant(fn)
+            _PATCHED_MODULES[name] = (module, fn)
         if name in _PATCHED_MODULES:
             patched.append(name)
     return patched
@@ -931,8 +942,8 @@ def install_attention(model) -> List[str]:
 
 def uninstall_attention():
     """Undo `install_attention` for every module it patched."""
-    for module in _PATCHED_MODULES.values():
-        module.scaled_dot_product_attention = _STOCK_SDPA
+    for module, previous in _PATCHED_MODULES.values():
+        module.scaled_dot_product_attention = previous
     _PATCHED_MODULES.clear()
 
 

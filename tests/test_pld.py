@@ -52,27 +52,54 @@ def test_find_draft_falls_back_to_shorter_ngrams_and_limits():
 # -- the adaptive policy --------------------------------------------------------
 
 
-def test_policy_skips_drafts_that_do_not_pay():
+def policy(plain_s, verify_s, tokens_per_pass):
     p = DraftPolicy()
-    p.plain_s.add(0.010)
-    p.verify_s[6] = _Ema(0.030)  # a verify pass costs 3 plain steps
-    assert p.best_length(5, rate=0.2, pad_to=6) == 0  # 1.25 tokens per 30 ms: no
-    assert p.best_length(5, rate=0.95, pad_to=6) == 5  # 5.7 tokens per 30 ms: yes
+    p.plain_token_s.add(plain_s)
+    p.verify_pass_s.add(verify_s)
+    p.tokens_per_pass.add(tokens_per_pass)
+    return p
 
 
-def test_policy_picks_draft_length_from_costs():
-    p = DraftPolicy()
-    p.plain_s.add(0.010)
-    p.verify_s[2] = _Ema(0.012)
-    p.verify_s[6] = _Ema(0.040)  # cost grows with length (a CPU)
-    # at rate 0.6 a short draft pays best: 1.6 tok/12 ms > 2.2 tok/40 ms
-    assert p.best_length(5, rate=0.6, pad_to=None) == 1
+def test_policy_verifies_only_when_tokens_per_second_beat_plain():
+    p = policy(plain_s=0.010, verify_s=0.030, tokens_per_pass=2.0)  # 2 tok / 30 ms < 1 / 10 ms
+    assert not p.worth(job_tokens=0, job_passes=0, skipped=1)
+    # a job whose own record is 5 tokens per pass overrides the run's prior
+    assert p.worth(job_tokens=50, job_passes=10, skipped=1)
+    # ...but a few good passes do not yet outweigh the prior
+    assert not p.worth(job_tokens=5, job_passes=1, skipped=1)
+    assert policy(0.010, 0.030, 3.3).worth(0, 0, 1)  # 3.3 / 30 ms > 1.05 / 10 ms
 
 
-def test_policy_acceptance_blends_job_and_run():
-    p = DraftPolicy(accepted=90, rejected=10)
-    assert p.acceptance() == pytest.approx(91 / 102)
-    assert p.acceptance(0, 8) < 0.5
+def test_policy_explores_and_starts_optimistic():
+    p = policy(plain_s=0.010, verify_s=0.030, tokens_per_pass=1.0)
+    assert not p.worth(0, 0, skipped=63) and p.worth(0, 0, skipped=64)
+    assert DraftPolicy().worth(0, 0, 1)  # nothing measured: try drafting
+    assert DraftPolicy(adaptive=False).worth(0, 0, 1)
+    fresh = DraftPolicy()
+    fresh.plain_token_s.add(0.01)
+    assert fresh.worth(0, 0, 1)  # no verify cost known yet
+
+
+def test_ngram_index_equals_find_draft_on_random_sequences():
+    import random
+
+    from batchgen.pld import NgramIndex
+
+    rng = random.Random(0)
+    for trial in range(30):
+        alphabet = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 200))]
+        n, k = rng.randrange(1, 5), rng.randrange(0, 7)
+        index = NgramIndex(tokens[:1], n)
+        for i in range(1, len(tokens)):
+            assert index.draft(k) == find_draft(tokens[:i], n, k), (trial, i)
+            index.extend(tokens[i : i + 1])
+        # truncate restores an earlier state exactly
+        cut = rng.randrange(1, len(tokens) + 1)
+        index.truncate(cut)
+        assert index.tokens == tokens[:cut] and index.draft(k) == find_draft(tokens[:cut], n, k)
+        index.extend(tokens[cut:])
+        assert index.draft(k) == find_draft(tokens, n, k)
 
 
 # -- exactness on tiny models -----------------------------------------------------
@@ -159,27 +186,43 @@ def test_pld_on_hybrid_recurrent_model_restores_state(model_dir):
 def test_sampled_verify_keeps_the_target_distribution(model_dir):
     """Accept draft d with p(d), else sample p without d: the first token's
     distribution must be p whatever the draft, checked over 3000 seeds."""
-    from batchgen.pld import PLDDecoder
+    from batchgen.pld import accept_sampled
     from batchgen.sampling import make_keys
-    from batchgen.stats import JobStats
 
     vocab = 6
     logits = mx.array([[1.0, 0.5, 0.0, -0.5, 2.0, 0.2], [0.3, 0.1, 0.0, 1.5, -1.0, 0.0]])
     s = SamplingConfig(temperature=1.0, seed=0)
     p = np.array(mx.softmax(logits[0]).tolist())
-    dec = PLDDecoder.__new__(PLDDecoder)
-    dec.sampling, dec.ctx, dec.prompt_len = s, [0], 1
     n_trials = 3000
     for draft in ([4, 3], [2, 0]):  # a likely and an unlikely first draft token
         counts = np.zeros(vocab)
         for seed in range(n_trials):
-            dec.keys = make_keys(seed, 4)
-            n, bonus = dec._accept_sampled(logits, draft)
+            n, bonus = accept_sampled(logits, draft, s, make_keys(seed, 4), 0)
             first = draft[0] if n >= 1 else bonus
             counts[first] += 1
         freq = counts / n_trials
         # 4 sigma of a binomial proportion at n=3000 is below 0.037
         assert np.abs(freq - p).max() < 0.037, (draft, freq, p)
+
+
+def test_sampled_verify_keeps_the_second_token_distribution():
+    """Given the first draft token was kept, the second token follows the
+    model's next distribution (row 1), whether the second draft is kept or not."""
+    from batchgen.pld import accept_sampled
+    from batchgen.sampling import make_keys
+
+    logits = mx.array([[0.0, 0.0, 0.0, 0.0, 3.0, 0.0], [0.3, 0.1, 0.0, 1.5, -1.0, 0.0], [0.0] * 6])
+    s = SamplingConfig(temperature=1.0, seed=0)
+    p1 = np.array(mx.softmax(logits[1]).tolist())
+    counts, kept_first = np.zeros(6), 0
+    for seed in range(3000):
+        n, bonus = accept_sampled(logits, [4, 3], s, make_keys(seed, 4), 0)
+        if n >= 1:
+            kept_first += 1
+            counts[3 if n == 2 else bonus] += 1
+    freq = counts / kept_first
+    sigma4 = 4 * np.sqrt(p1 * (1 - p1) / kept_first)
+    assert kept_first > 2000 and np.all(np.abs(freq - p1) < sigma4 + 1e-3), (freq, p1)
 
 
 def test_pld_sampling_is_reproducible_per_seed(model_dir):
@@ -188,3 +231,38 @@ def test_pld_sampling_is_reproducible_per_seed(model_dir):
     a = engine.run(make_job(LOOPY[0], sampling=s, draft="pld", max_tokens=30))
     b = engine.run(make_job(LOOPY[0], sampling=s, draft="pld", max_tokens=30))
     assert a.text == b.text and a.ok
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_short_attention_path_keeps_pld_exact(model_dir, arch):
+    """The plain-op attention used for short passes on CUDA gives the same
+    greedy text as the fused kernel (float32)."""
+    from batchgen.attention import uninstall_short_attention
+
+    path = model_dir(arch)
+    reference = pld_engine(path)
+    cfg = EngineConfig(model=str(path), fuse=False, short_attention=True,
+                       decode=DecodeConfig(draft="pld", pld_adaptive=False, pld_static_shapes=True),
+                       prompt_cache=PromptCacheConfig(enabled=True, prewarm=False))  # fmt: skip
+    engine = Engine.load(cfg)
+    try:
+        for text in LOOPY + USER_TEXTS[:2]:
+            a = reference.run(make_job(text, max_tokens=40, draft="none"))
+            b = engine.run(make_job(text, max_tokens=40))
+            assert b.text == a.text, (arch, text)
+    finally:
+        uninstall_short_attention(engine.model)
+
+
+def test_short_attention_matches_fused_kernel():
+    from batchgen.attention import short_attention
+
+    mx.random.seed(0)
+    for heads, kv_heads, L, S in [(4, 2, 6, 37), (8, 8, 2, 2), (6, 2, 17, 300)]:
+        q = mx.random.normal((1, heads, L, 16))
+        k, v = mx.random.normal((1, kv_heads, S, 16)), mx.random.normal((1, kv_heads, S, 16))
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+        got = short_attention(q, k, v, 0.25, "causal")
+        assert mx.allclose(got, want, atol=1e-5).item()
+        boolmask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+        assert mx.allclose(short_attention(q, k, v, 0.25, boolmask), want, atol=1e-5).item()
