@@ -97,6 +97,7 @@ def main():
 @click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None, help="Pad verify passes to a fixed length (default: on a GPU).")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS), default="fp16", show_default=True, help="fp16 = uncompressed, in the model's dtype.")
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True, help="TurboQuant bits per coordinate.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast the model's floating weights (default: as stored).")
 @click.option("--no-fuse", is_flag=True, help="Keep separate q/k/v and gate/up projections.")
 @click.option("--no-prewarm", is_flag=True, help="Do not prefill the shared system prompt before the first job.")
 @click.option("--no-prompt-cache", is_flag=True, help="No prompt-cache pool (every prompt prefilled in full).")
@@ -110,7 +111,7 @@ def main():
 @click.option("--no-fsync", is_flag=True, help="Flush each line but skip fsync.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
 def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
-        kv_cache, kv_bits, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
+        kv_cache, kv_bits, dtype, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
         prewarm_file, batch_size, kv_budget, summary_path, retry_failed, no_fsync, quiet):  # fmt: skip
     """Generate a result line for every job in JOBS (a JSONL file, or - for stdin)."""
     _setup_logging(quiet)
@@ -119,6 +120,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
     engine = EngineConfig(
         model=model or str(DEMO_MODEL_DIR),
         fuse=not no_fuse,
+        dtype=dtype,
         decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
         prompt_cache=PromptCacheConfig(

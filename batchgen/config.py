@@ -72,6 +72,7 @@ class PromptCacheConfig:
 class EngineConfig:
     model: str
     fuse: bool = True
+    dtype: str | None = None  # cast floating weights (e.g. "float32" for exact CPU runs)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)

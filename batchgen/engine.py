@@ -106,6 +106,14 @@ def context_length(config: dict) -> int | None:
     return cfg.get("max_position_embeddings") or config.get("max_position_embeddings")
 
 
+def cast_floats(model: nn.Module, dtype) -> None:
+    """Cast floating-point weights (not quantized codes, scales stay float too)."""
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
+    mx.eval(model.parameters())
+
+
 def short_attention_wanted(setting: bool | None) -> bool:
     """On by default on MLX's CUDA backend, whose fused attention builds a kernel
     per new shape of a multi-query pass (see attention.py)."""
@@ -275,7 +283,9 @@ class Engine:
         return engine
 
     def make_fast(self) -> None:
-        """Load-time transforms: weight fusion, and the short-pass attention hook."""
+        """Load-time transforms: dtype, weight fusion, the short-pass attention hook."""
+        if self.config.dtype:
+            cast_floats(self.model, getattr(mx, self.config.dtype))
         if self.config.fuse:
             from .fusion import fuse_model
 
