@@ -178,6 +178,7 @@ class DraftPolicy:
     margin: float = 1.05
     job_prior_passes: float = 4.0  # weight of the run's tokens-per-pass in a job's estimate
     explore_every: int = 64  # skipped drafts between forced verifies (keeps costs measured)
+    min_plain_tokens: int = 16  # after a skipped draft, plain tokens before the next look
     accepted: int = 0  # draft tokens accepted, run-wide (for the record)
     drafted: int = 0
 
@@ -287,6 +288,7 @@ class PLDDecoder:
         self.job_tokens = 0
         self.job_passes = 0
         self.skipped = 0
+        self.plain_left = 0  # plain tokens to go before drafts are considered again
         # Queue the next verify pass before reading the current one: greedy
         # only (a sampled pass's outcome cannot be guessed), and not where
         # recurrent layers need a snapshot per pass.
@@ -333,6 +335,9 @@ class PLDDecoder:
             return found
         self.skipped += 1
         self.shadow = _Shadow(found)
+        # Stay plain for a stretch: a switch costs a pipeline drain and refill,
+        # which deciding token by token would pay again and again.
+        self.plain_left = self.policy.min_plain_tokens
         return []
 
     def _record(self, tokens: int, passes: int) -> None:
@@ -363,32 +368,42 @@ class PLDDecoder:
         return pick(logits, self.sampling, None if self.keys is None else self.keys[t])
 
     def _plain_run(self) -> Iterator[int]:
-        """Pipelined plain steps until a draft that pays is found (or the job ends)."""
+        """Pipelined plain steps until a draft that pays is found (or the job ends).
+
+        A plain token's cost is the steady interval between two reads: the
+        first read of a run also waits for the pipeline to fill, which a run
+        that stayed plain would not pay per token."""
         self._queued = 0
-        start, emitted = time.perf_counter(), 0
         cur = self._step(mx.array([self.ctx[-1]]))
         mx.async_eval(cur)
+        last_read = None
         while True:
             nxt = self._step(cur)
             mx.async_eval(nxt)
             token = cur.item()
+            last_read = self._time_plain(last_read)
             self._queued -= 1
-            emitted += 1
             self._score_shadow(token)
             self.index.extend((token,))
             yield token
-            if self.shadow is None and self._choose_draft():
+            if self.plain_left > 0:
+                self.plain_left -= 1
+            elif self.shadow is None and self._choose_draft():
                 break  # a draft that pays: verify it once `nxt` is in
             cur = nxt
         # `nxt` is already running with `token` as input: finish it, so the
         # cache holds every emitted token but the last, as a draft step needs.
         token = nxt.item()
         self._queued -= 1
-        emitted += 1
         self._score_shadow(token)
         self.index.extend((token,))
-        self.policy.plain_token_s.add((time.perf_counter() - start) / emitted)
         yield token
+
+    def _time_plain(self, last_read: float | None) -> float:
+        now = time.perf_counter()
+        if last_read is not None:
+            self.policy.plain_token_s.add(now - last_read)
+        return now
 
     # -- verify -------------------------------------------------------------
 
@@ -445,16 +460,14 @@ class PLDDecoder:
         the pass we would have run, and the host sync overlaps it; on a miss
         its cache entries are trimmed and one pass of device time is lost.
         """
+        start, passes = time.perf_counter(), 0
         cur = self._queue(self.ctx[-1], draft)
-        last_read = time.perf_counter()
         while True:
             nxt, guess = self._speculate(cur)
             n, bonus = self._resolve(cur)
-            now = time.perf_counter()
-            self.policy.verify_pass_s.add(now - last_read)
-            last_read = now
             hit = nxt is not None and n == len(cur.draft) and bonus == guess
             wasted = nxt is not None and not hit
+            passes += 1 + wasted
             extra = cur.length - (n + 1) + (nxt.length if wasted else 0)
             if extra:
                 for c in self.cache:
@@ -462,6 +475,10 @@ class PLDDecoder:
             self._record(n + 1, 1 + wasted)
             out = cur.draft[:n] + [bonus]
             self.index.extend(out)
+            if not hit:
+                if wasted:
+                    mx.eval(nxt.targets)  # its device time belongs to this run
+                self.policy.verify_pass_s.add((time.perf_counter() - start) / passes)
             for token in out:
                 yield token
             if not hit:

@@ -125,7 +125,7 @@ def _load_engine(cfg: RunConfig):
 def _start_summary(cfg: RunConfig, engine) -> RunSummary:
     from .engine import device_name
 
-    d = cfg.engine.decode
+    d = engine.config.decode  # as resolved for this device
     s = RunSummary(
         load_s=engine.load_s,
         model_memory_gb=engine.model_memory_gb,

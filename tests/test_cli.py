@@ -42,7 +42,7 @@ def read_lines(path: Path):
 def test_run_writes_one_line_per_job_and_summary(tmp_path, model):
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs())
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
-    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--summary", str(summary), "--no-fuse")
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--summary", str(summary), "--no-fuse", "--draft", "pld")
     assert r.exit_code == 0, r.stderr
     lines = read_lines(out)
     assert [l["id"] for l in lines] == ["j0", "j1", "j2", "j3"]
@@ -232,7 +232,7 @@ def test_openai_batch_output_validates_with_openai_models(tmp_path, model):
     ]  # fmt: skip
     jobs = write_jobs(tmp_path / "batch.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
+    r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse", "--draft", "pld")
     assert r.exit_code == 1
     c1, c2, c3 = read_lines(out)
     assert c1["custom_id"] == "c1" and c1["error"] is None and c1["response"]["status_code"] == 200
@@ -260,3 +260,15 @@ def test_validate_lists_bad_jobs(tmp_path):
     r = invoke("validate", str(dup))
     assert r.exit_code == 2 and "duplicate job id" in r.stderr
     assert invoke("validate", str(tmp_path / "missing.jsonl")).exit_code == 2
+
+
+def test_draft_auto_resolves_per_device(tmp_path, model):
+    import mlx.core as mx
+
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(1))
+    summary = tmp_path / "s.json"
+    r = invoke("run", str(jobs), "--model", model, "-o", str(tmp_path / "o.jsonl"), "--summary", str(summary))
+    assert r.exit_code == 0
+    want = "pld" if mx.default_device().type == mx.gpu else "none"
+    assert json.loads(summary.read_text())["draft"] == want
+    assert read_lines(tmp_path / "o.jsonl")[0]["stats"]["draft"] == want
