@@ -31,11 +31,10 @@ from typing import Iterable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .engine import Engine, JobRunError, TextAssembler, failed_result, generation_stream, prefill
+from .engine import Engine, JobRunError, TextAssembler, failed_result, finished_result, generation_stream
 from .jobs import BadJob, Job
-from .prompt_cache import clone_cache
 from .sampling import job_seed, make_keys, pick
-from .stats import JobStats, Result, Timer, Usage
+from .stats import JobStats, Result, Timer
 
 log = logging.getLogger("batchgen")
 
@@ -129,20 +128,12 @@ class BatchScheduler:
         """Tokenize, look up the pool, prefill all but the last prompt token."""
         e = self.engine
         timer = Timer()
-        tokens = e.prompt_tokens(job)
-        if e.context_length and len(tokens) > e.context_length:
-            raise JobRunError("prompt_too_long", f"prompt has {len(tokens)} tokens; the model's context is {e.context_length}")
-        if not tokens:
-            raise JobRunError("empty_prompt", "the prompt has no tokens")
+        tokens = e.checked_tokens(job)
         plan = e.plan(job)
         if (plan.decode.draft == "pld" or plan.kv.kind != "fp16") and not self.logged_overrides:
             log.info("batched decoding: jobs run with plain decoding over an fp16 KV cache (PLD and TurboQuant are the batch-size-1 path)")
             self.logged_overrides = True
-        fp16 = replace(plan, kv=replace(plan.kv, kind="fp16"))
-        cache, cached = e._cache_for(tokens, fp16)
-        prefill(self.model, cache, tokens[cached:-1], e.config.prefill_step_size)
-        if e.pool is not None and cached < len(tokens) - 1:
-            e.pool.insert(tokens[:-1], clone_cache(cache), fp16.kv_kind)
+        cache, cached = e.start_prompt(tokens, replace(plan, kv=replace(plan.kv, kind="fp16")))
         if not self.per_token:
             self.per_token = kv_bytes_per_token(cache)
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
@@ -261,23 +252,9 @@ class BatchScheduler:
         return done
 
     def _finish(self, row: Row) -> Result:
-        s, job = row.stats, row.job
-        total = row.timer.elapsed_s
-        s.prefill_s = row.first_token_s
-        s.decode_s = total - row.first_token_s
-        prefilled = len(row.tokens) - row.cached
-        s.prompt_tps = prefilled / s.prefill_s if s.prefill_s > 0 else 0.0
-        after_first = row.text.completion_tokens - 1
-        s.decode_tps = after_first / s.decode_s if s.decode_s > 0 and after_first > 0 else 0.0
-        s.cache_hit_ratio = row.cached / len(row.tokens)
-        s.kv_bytes = (len(row.tokens) + row.text.completion_tokens) * self.per_token
-        s.peak_memory_gb = mx.get_peak_memory() / 1e9
-        return Result(
-            id=job.id, line=job.line, format=job.format, text=row.text.text(),
-            finish_reason=row.text.finish_reason,
-            usage=Usage(len(row.tokens), row.text.completion_tokens, row.cached),
-            stats=s, metadata=job.metadata, model_name=job.model_name,
-        )  # fmt: skip
+        row.stats.kv_bytes = (len(row.tokens) + row.text.completion_tokens) * self.per_token
+        return finished_result(row.job, row.text, row.stats, len(row.tokens), row.cached,
+                               row.first_token_s, row.timer.elapsed_s)  # fmt: skip
 
     def _next_item(self, waiting: list, source: Iterator):
         if waiting:

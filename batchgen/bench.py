@@ -311,7 +311,7 @@ def save_results(result: dict, out_json: Path, out_png: Path | None) -> None:
         try:
             plot(result, out_png)
         except ImportError:
-            print(f"no plot: matplotlib is not installed (pip install -e '.[bench]')")
+            print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
 
 
 def plot(result: dict, path: Path) -> None:

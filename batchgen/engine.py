@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -452,52 +451,44 @@ class Engine:
         self.model(mx.array([[0]]), cache=cache)
         return kv_bytes_per_token([c for c in cache if hasattr(c, "keys")])
 
-    def _run(self, job: Job) -> Result:
-        timer = Timer()
-        mx.reset_peak_memory()
+    def checked_tokens(self, job: Job) -> list[int]:
+        """The job's prompt tokens, or `JobRunError` if they cannot run here."""
         tokens = self.prompt_tokens(job)
         if self.context_length and len(tokens) > self.context_length:
             raise JobRunError("prompt_too_long", f"prompt has {len(tokens)} tokens; the model's context is {self.context_length}")
         if not tokens:
             raise JobRunError("empty_prompt", "the prompt has no tokens")
-        plan = self.plan(job)
-        stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind)
+        return tokens
+
+    def start_prompt(self, tokens: list[int], plan: JobPlan) -> tuple[list, int]:
+        """A cache holding all prompt tokens but the last (which the first
+        decode step feeds), from the pool where it can; (cache, cached tokens)."""
         cache, cached = self._cache_for(tokens, plan)
         prefill(self.model, cache, tokens[cached:-1], self.config.prefill_step_size)
         if self.pool is not None and cached < len(tokens) - 1:
             self.pool.insert(tokens[:-1], clone_cache(cache), plan.kv_kind)
+        return cache, cached
+
+    def _run(self, job: Job) -> Result:
+        timer = Timer()
+        mx.reset_peak_memory()
+        tokens = self.checked_tokens(job)
+        plan = self.plan(job)
+        stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind)
+        cache, cached = self.start_prompt(tokens, plan)
         text = TextAssembler(self.tokenizer, job.stop, job.max_tokens)
         n_keys = job.max_tokens + plan.decode.pld_max_lookup + 2
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), n_keys)
         stream = self._decoder(plan, cache, tokens, job, keys, stats, text)
-        first_token_at = None
+        first_token_s = None
         for token in stream:
-            if first_token_at is None:
-                first_token_at = timer.elapsed_s
+            if first_token_s is None:
+                first_token_s = timer.elapsed_s
             if text.add(token):
                 break
         stream.close()
-        done_at = timer.elapsed_s
-        stats.prefill_s = first_token_at
-        stats.decode_s = done_at - first_token_at
-        prefilled = len(tokens) - cached
-        stats.prompt_tps = prefilled / stats.prefill_s if stats.prefill_s > 0 else 0.0
-        after_first = text.completion_tokens - 1
-        stats.decode_tps = after_first / stats.decode_s if stats.decode_s > 0 and after_first > 0 else 0.0
-        stats.cache_hit_ratio = cached / len(tokens)
         stats.kv_bytes = cache_nbytes(cache)
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        return Result(
-            id=job.id,
-            line=job.line,
-            format=job.format,
-            text=text.text(),
-            finish_reason=text.finish_reason,
-            usage=Usage(len(tokens), text.completion_tokens, cached),
-            stats=stats,
-            metadata=job.metadata,
-            model_name=job.model_name,
-        )
+        return finished_result(job, text, stats, len(tokens), cached, first_token_s, timer.elapsed_s)
 
     def _cache_for(self, tokens: list[int], plan: JobPlan) -> tuple[list, int]:
         if self.pool is not None:
@@ -518,6 +509,23 @@ class Engine:
                 pad_to=pad_to, stream=generation_stream,
             )  # fmt: skip
         return plain_tokens(self.model, cache, tokens[-1], job.sampling, keys, stats)
+
+
+def finished_result(job: Job, text: TextAssembler, stats: JobStats, prompt_tokens: int, cached: int,
+                    first_token_s: float, total_s: float) -> Result:  # fmt: skip
+    """The result line of a finished job, its timing stats filled in."""
+    stats.prefill_s = first_token_s
+    stats.decode_s = total_s - first_token_s
+    stats.prompt_tps = (prompt_tokens - cached) / first_token_s if first_token_s > 0 else 0.0
+    after_first = text.completion_tokens - 1
+    stats.decode_tps = after_first / stats.decode_s if stats.decode_s > 0 and after_first > 0 else 0.0
+    stats.cache_hit_ratio = cached / prompt_tokens
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    return Result(
+        id=job.id, line=job.line, format=job.format, text=text.text(), finish_reason=text.finish_reason,
+        usage=Usage(prompt_tokens, text.completion_tokens, cached), stats=stats,
+        metadata=job.metadata, model_name=job.model_name,
+    )  # fmt: skip
 
 
 def failed_result(item, kind: str, message: str, metadata=None) -> Result:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from .jobs import CHAT, COMPLETION, NATIVE
+from .jobs import CHAT, NATIVE
 from .stats import Result
 
 
@@ -109,7 +109,6 @@ def read_resume_index(path: Path) -> ResumeIndex:
     index = ResumeIndex()
     if not path.exists():
         return index
-    data_end = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
             complete = raw.endswith(b"\n")
@@ -129,7 +128,6 @@ def read_resume_index(path: Path) -> ResumeIndex:
             if not complete:
                 index.torn_bytes = len(raw)
                 break
-            data_end += len(raw)
             if key is not None:
                 index.done.add(key)
                 if _is_error_line(obj):

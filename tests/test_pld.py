@@ -7,7 +7,7 @@ import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine import Engine
-from batchgen.pld import DraftPolicy, _Ema, find_draft
+from batchgen.pld import DraftPolicy, find_draft
 
 from test_engine import USER_TEXTS, make_job
 from tiny import ARCHS
