@@ -82,6 +82,7 @@ class Run:
     pld_drafted: int = 0
     pld_accepted: int = 0
     kv_bytes: int = 0
+    token_ids: list = field(default_factory=list)
 
     @property
     def decode_tps(self) -> float:
@@ -209,19 +210,20 @@ def run_plain(model, tokenizer, tokens: list[int], job: Job, kv_bits: int | None
     mx.reset_peak_memory()
     start = time.perf_counter()
     first = None
-    text, n = "", 0
+    text, n, ids = "", 0, []
     for r in stream_generate(model, tokenizer, mx.array(tokens), max_tokens=job.max_tokens, sampler=sampler, **kw):
         if first is None:
             first = time.perf_counter()
         text += r.text
         n = r.generation_tokens
+        ids.append(r.token)
         if job.stop:
             text, hit = _cut_at_stop(text, job.stop)
             if hit:
                 break
     end = time.perf_counter()
     return Run(job.id, len(tokens), 0, n, first - start, end - first, end - start, n,
-               mx.get_peak_memory() / 1e9, text)  # fmt: skip
+               mx.get_peak_memory() / 1e9, text, token_ids=ids)  # fmt: skip
 
 
 def run_batchgen(engine: Engine, job: Job) -> Run:
@@ -233,7 +235,7 @@ def run_batchgen(engine: Engine, job: Job) -> Run:
     s = r.stats
     return Run(r.id, r.usage.prompt_tokens, r.usage.cached_tokens, r.usage.completion_tokens,
                s.prefill_s, s.decode_s, wall, s.forward_passes, s.peak_memory_gb, r.text,
-               s.pld_drafted, s.pld_accepted, s.kv_bytes)  # fmt: skip
+               s.pld_drafted, s.pld_accepted, s.kv_bytes, r.token_ids or [])  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +276,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     ps, os_ = plain.summary(), ours.summary()
     ratio = {k: (os_[k] / ps[k] if ps.get(k) else None) for k in ("decode_tps", "prefill_tps", "wall_s", "ttft_s_mean", "peak_memory_gb")}
     identical = sum(a.text == b.text for a, b in zip(plain.runs, ours.runs))
+    prompts = [engine.prompt_tokens(j) for j in measured]
+    diverged = divergences(plain_model, prompts, plain.runs, ours.runs) if identical < len(measured) else []
     e = cfg.engine
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -292,14 +296,31 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         "sides": {"mlx-lm": ps, "batchgen": os_},
         "ratio_batchgen_over_plain": ratio,
         "identical_outputs": identical,
+        "divergences": diverged,
         "jobs": len(measured),
         "per_job": {"mlx-lm": [_run_dict(r) for r in plain.runs], "batchgen": [_run_dict(r) for r in ours.runs]},
     }
 
 
+def divergences(model, prompts: list[list[int]], plain: list[Run], ours: list[Run]) -> list[dict]:
+    """Where outputs first differ, and how close plain decoding's top two
+    logits were there (a near tie is where rounding decides)."""
+    out = []
+    for tokens, a, b in zip(prompts, plain, ours):
+        x, y = a.token_ids, b.token_ids
+        i = next((k for k in range(min(len(x), len(y))) if x[k] != y[k]), None)
+        if i is None:
+            continue
+        logits = model(mx.array(tokens + x[:i])[None])[0, -1].astype(mx.float32)
+        top2 = mx.sort(logits)[-2:].tolist()
+        out.append({"id": a.id, "first_diff_token": i, "of_tokens": len(x), "top2_logit_margin": top2[1] - top2[0]})
+    return out
+
+
 def _run_dict(r: Run) -> dict:
     d = asdict(r)
     d.pop("text")
+    d.pop("token_ids")
     d["decode_tps"] = r.decode_tps
     return d
 

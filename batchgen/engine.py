@@ -167,12 +167,16 @@ class TextAssembler:
         self._scan_from = 0
         self._cut = None
         self.max_tokens = max_tokens
-        self.completion_tokens = 0
+        self.token_ids: list[int] = []
         self.finish_reason = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
     def add(self, token: int) -> bool:
         """True once the job is finished (the token is counted either way)."""
-        self.completion_tokens += 1
+        self.token_ids.append(token)
         if token in self._eos:
             self.finish_reason = "stop"
             return True
@@ -524,7 +528,7 @@ def finished_result(job: Job, text: TextAssembler, stats: JobStats, prompt_token
     return Result(
         id=job.id, line=job.line, format=job.format, text=text.text(), finish_reason=text.finish_reason,
         usage=Usage(prompt_tokens, text.completion_tokens, cached), stats=stats,
-        metadata=job.metadata, model_name=job.model_name,
+        metadata=job.metadata, model_name=job.model_name, token_ids=text.token_ids,
     )  # fmt: skip
 
 

@@ -61,6 +61,7 @@ class Result:
     metadata: Any = None
     error: JobFailure | None = None
     model_name: str | None = None
+    token_ids: list | None = None  # generated ids, EOS included (not written out)
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,69 @@
+"""The side-by-side benchmark harness on a tiny model: the shape of its
+output (not its speed)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+
+from test_cli import good_jobs, write_jobs
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    import tiny
+
+    return str(tiny.build_model("qwen2", tmp_path_factory.mktemp("bench-qwen2")))
+
+
+def test_bench_writes_both_sides_and_ratios(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(4))
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--out", str(out), "--no-png", "--warmup", "1"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert set(d["sides"]) == {"mlx-lm", "batchgen"} and d["jobs"] == 3
+    for side in d["sides"].values():
+        for key in ("decode_tps", "prefill_tps", "ttft_s_mean", "wall_s", "peak_memory_gb", "forward_passes_per_token"):
+            assert side[key] > 0, key
+    assert set(d["ratio_batchgen_over_plain"]) >= {"decode_tps", "prefill_tps", "wall_s", "ttft_s_mean"}
+    assert len(d["per_job"]["mlx-lm"]) == len(d["per_job"]["batchgen"]) == 3
+    assert 0 <= d["identical_outputs"] <= 3 and isinstance(d["divergences"], list)
+    assert d["device"] and d["versions"]["mlx"] and d["batchgen"]["draft"] == "pld"
+    assert "decode tok/s: mlx-lm" in r.stdout
+
+
+def test_bench_plain_and_fused_greedy_outputs_agree(tmp_path, model):
+    """float32 tiny model, no techniques that change numerics: all identical."""
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--out", str(out), "--no-png",
+                                  "--draft", "none", "--no-prompt-cache"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert d["identical_outputs"] == d["jobs"] == 2 and d["divergences"] == []
+
+
+def test_bench_random_shape_and_throughput(tmp_path, model):
+    out = tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["bench", "--shape", "tiny", "--model", model, "--dtype", "float32",
+                                  "--synthetic", "24", "--synthetic-jobs", "1", "--max-tokens", "4",
+                                  "--out", str(out), "--no-png"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["model"] == "tiny"
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
+    out = tmp_path / "t.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "1,2",
+                                  "--jobs-total", "4", "--max-tokens", "4", "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    assert rows[1]["jobs"] == 4 and rows[1]["batchgen"]["completion_tokens"] > 0
+    assert rows[1]["batchgen_over_batchgen_sequential"] > 0
+
+
+def test_bench_needs_jobs_or_synthetic():
+    r = CliRunner().invoke(main, ["bench"])
+    assert r.exit_code == 2 and "give a JOBS file or --synthetic N" in r.output
