@@ -18,7 +18,7 @@ import datetime
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -368,7 +368,9 @@ def _repeat_jobs(jobs: list[Job], n: int) -> list[Job]:
     return [Job(**{**jobs[i % len(jobs)].__dict__, "id": f"{jobs[i % len(jobs)].id}#{i}"}) for i in range(n)]
 
 
-def run_throughput(cfg: BenchConfig, batch_sizes: list[int], n_jobs: int, sequential_jobs: int = 32, log=print) -> dict:
+def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_jobs: int = 32, log=print) -> dict:
+    """`batch_sizes`: ints, or "auto" (the engine's KV-budget sizing; mlx-lm
+    gets the same number of rows)."""
     from mlx_lm.generate import batch_generate
 
     from .engine import device_name
@@ -380,8 +382,7 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list[int], n_jobs: int, sequen
     max_tokens = [j.max_tokens for j in jobs]
 
     def ours(b: int, subset: list[Job]):
-        engine.batch_size = b
-        object.__setattr__(engine.config, "batch_size", b)
+        engine.config = replace(engine.config, batch_size=b)
         mx.reset_peak_memory()
         start = time.perf_counter()
         results = list(engine.run_all(subset, total=len(subset)))
@@ -398,7 +399,11 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list[int], n_jobs: int, sequen
         return time.perf_counter() - start, r.texts, tokens, mx.get_peak_memory() / 1e9
 
     rows = []
-    for b in batch_sizes:
+    for size in batch_sizes:
+        b = size
+        if size == "auto":
+            engine.config = replace(engine.config, batch_size="auto")
+            b = engine.resolve_batch_size(len(jobs))
         n = len(jobs) if b > 1 else min(sequential_jobs, len(jobs))
         plain(b, min(b, n))  # warm-up at this batch size, both sides
         ours(b, jobs[: min(b, n)])
@@ -409,7 +414,7 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list[int], n_jobs: int, sequen
         by_id = {r.id: r.text or "" for r in o_results}
         same = sum(by_id.get(j.id, "").strip() == t.strip() for j, t in zip(jobs[:n], p_texts))
         row = {
-            "batch_size": b, "jobs": n,
+            "batch_size": b, "requested": size, "jobs": n,
             "mlx_lm_batch_generate": {"wall_s": p_wall, "tokens_per_s": p_tokens / p_wall, "peak_memory_gb": p_mem},
             "batchgen": {"wall_s": o_wall, "tokens_per_s": o_tokens / o_wall, "completion_tokens": o_tokens,
                          "peak_memory_gb": o_mem},

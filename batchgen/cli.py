@@ -244,7 +244,7 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
     if batch_sizes:
         from .bench import run_throughput
 
-        sizes = [int(b) for b in batch_sizes.split(",")]
+        sizes = [b if b == "auto" else int(b) for b in batch_sizes.split(",")]
         result = run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True))
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(result, indent=2) + "\n")

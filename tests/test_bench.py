@@ -55,11 +55,12 @@ def test_bench_random_shape_and_throughput(tmp_path, model):
     assert json.loads(out.read_text())["model"] == "tiny"
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
     out = tmp_path / "t.json"
-    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "1,2",
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "1,2,auto",
                                   "--jobs-total", "4", "--max-tokens", "4", "--out", str(out)])  # fmt: skip
     assert r.exit_code == 0, r.output
     rows = json.loads(out.read_text())["rows"]
-    assert [row["batch_size"] for row in rows] == [1, 2]
+    assert [row["batch_size"] for row in rows] == [1, 2, 4]  # auto: as many rows as jobs fit
+    assert rows[2]["requested"] == "auto"
     assert rows[1]["jobs"] == 4 and rows[1]["batchgen"]["completion_tokens"] > 0
     assert rows[1]["batchgen_over_batchgen_sequential"] > 0
 
