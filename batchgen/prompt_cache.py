@@ -188,9 +188,10 @@ class PromptPool:
 
 
 def default_pool_bytes() -> int:
-    """A tenth of the machine's memory (unified memory on a Mac; RAM on Linux)."""
+    """A tenth of the device's memory: unified memory on a Mac, GPU memory with CUDA
+    (`total_memory`), RAM on a Linux CPU."""
     info = mx.device_info()
-    total = info.get("memory_size")
+    total = info.get("memory_size") or info.get("total_memory")
     if not total:
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -18,6 +18,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from recipe import data
 from recipe import tokenizer as tok
 
@@ -53,7 +55,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--vocab-size", type=int, default=tok.DEFAULT_VOCAB_SIZE)
     parser.add_argument("--max-len", type=int, default=2048, help="longest training input, tokens")
-    parser.add_argument("--variants", type=int, default=3, help="tasks per randomized edit kind")
+    parser.add_argument(
+        "--variants", type=int, default=8, help="training tasks per edit kind and function"
+    )
+    parser.add_argument(
+        "--augment",
+        choices=("on", "off"),
+        default="on",
+        help="on: variants >= 1 show the function with respelled identifiers, and draw new "
+        "names, comments and docstrings from pools harvested from the training functions; "
+        "off: variants only re-draw the choices of rename/docstring/reorder_args",
+    )
+    parser.add_argument(
+        "--write-function-percent",
+        type=int,
+        default=25,
+        help="share of training functions that keep their write_function task",
+    )
+    parser.add_argument(
+        "--max-functions",
+        type=int,
+        default=0,
+        help="train on this many training functions only (0: all); for quick runs",
+    )
+    parser.add_argument("--dropout", type=float, default=0.1, help="residual/embedding dropout")
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
+    parser.add_argument(
+        "--track-tasks",
+        type=int,
+        default=None,
+        help="held-out edit tasks whose loss is tracked (default 256 on cuda, 32 on cpu)",
+    )
+    parser.add_argument(
+        "--track-every-s",
+        type=float,
+        default=None,
+        help="seconds between log lines and held-out losses (default 10 on cuda, 60 on cpu)",
+    )
+    parser.add_argument(
+        "--keep-best",
+        choices=("on", "off"),
+        default="on",
+        help="export the weights of the best held-out edit loss rather than the last ones",
+    )
     parser.add_argument(
         "--processes", type=int, default=None, help="data workers (default: all cores)"
     )
@@ -65,45 +109,97 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build_data(args) -> tuple[list, list, dict, list]:
     functions = data.collect_functions(processes=args.processes)
     train_fns, held_fns = data.split_functions(functions)
+    task_fns = subsample(train_fns, args.max_functions)
+    pools = data.harvest_pools(train_fns, args.processes) if args.augment == "on" else None
     train_tasks = data.assign_training_systems(
-        data.build_tasks(train_fns, variants=args.variants, processes=args.processes)
+        data.build_tasks(
+            task_fns,
+            variants=args.variants,
+            processes=args.processes,
+            pools=pools,
+            write_function_percent=args.write_function_percent,
+        )
     )
     held_tasks = data.build_tasks(held_fns, processes=args.processes)
     counts = {
         "stdlib": str(data.stdlib_root()),
-        "functions": {"train": len(train_fns), "held_out": len(held_fns)},
+        "functions": {"train": len(task_fns), "held_out": len(held_fns)},
         "modules": {
-            "train": len({f.path for f in train_fns}),
+            "train": len({f.path for f in task_fns}),
             "held_out": len({f.path for f in held_fns}),
         },
         "tasks": {
             "train": dict(Counter(t.kind for t in train_tasks)),
             "held_out": dict(Counter(t.kind for t in held_tasks)),
         },
+        "pools": None if pools is None else {k: len(v) for k, v in vars(pools).items()},
     }
     log(
         f"data: {counts['functions']} functions, {len(train_tasks)} train / {len(held_tasks)} held-out tasks"
     )
+    # The tokenizer sees every training function, also with --max-functions.
     return train_tasks, held_tasks, counts, train_fns
 
 
+def subsample(functions: list, limit: int) -> list:
+    """`limit` functions in a fixed hash order (all when limit <= 0), in their order."""
+    if limit <= 0 or limit >= len(functions):
+        return functions
+    order = sorted(range(len(functions)), key=lambda i: data.stable_hash(functions[i].name))
+    keep = set(order[:limit])
+    return [f for i, f in enumerate(functions) if i in keep]
+
+
+def tracked_tasks(held_tasks: list, per_edit_kind: int, eval_limit: int) -> dict[str, list]:
+    """The fixed held-out subset whose loss is tracked during training: `per_edit_kind`
+    tasks of each edit kind ("edit", which picks the best weights) and a quarter as many
+    write_function tasks, in hash order, leaving out the functions of the generation
+    eval's sample (at its default 40 per kind at least) so that the eval is not the
+    selection set."""
+    from recipe.evaluate import select_tasks
+
+    evaluated = {t.function for t in select_tasks(held_tasks, max(eval_limit, 40))}
+    ordered = sorted(
+        (t for t in held_tasks if t.function not in evaluated),
+        key=lambda t: data.stable_hash(f"{t.function}|{t.kind}|track"),
+    )
+    wanted = {kind: per_edit_kind for kind in data.EDIT_KINDS}
+    wanted["write_function"] = max(1, per_edit_kind // 4)
+    picked = {"edit": [], "write_function": []}
+    for task in ordered:
+        if wanted.get(task.kind, 0) > 0:
+            wanted[task.kind] -= 1
+            picked["write_function" if task.kind == "write_function" else "edit"].append(task)
+    return picked
+
+
 def tokenizer_texts(train_fns: list, train_tasks: list) -> list[str]:
-    """Each function once (not once per task variant) plus every distinct instruction."""
-    instructions = sorted({t.user.split("\n\n```python", 1)[0] for t in train_tasks})
+    """Each function once (not once per task variant) plus every distinct instruction of
+    the canonical tasks, and a write_function instruction for every function: the
+    tokenizer does not depend on --variants, --augment or --write-function-percent."""
+    instructions = {
+        t.user.split("\n\n```python", 1)[0]
+        for t in train_tasks
+        if t.variant == 0 and t.kind != "write_function"
+    }
+    instructions.update(data.write_function_instruction(f) for f in train_fns)
     return (
         [data.fenced(f.source) for f in train_fns]
-        + instructions
+        + sorted(instructions)
         + [data.SYSTEM, data.long_system_prompt()]
     )
 
 
-def tokenize_tasks(tokenizer, tasks: list, max_len: int):
+def tokenize_tasks(tokenizer, tasks: list, max_len: int, chunk: int = 20000):
     from recipe.train import Examples
 
-    prompts = [tok.render_chat(t.messages()) for t in tasks]
-    answers = [t.answer + tok.EOS_TOKEN for t in tasks]
-    prompt_ids = [e.ids for e in tokenizer.encode_batch(prompts)]
-    answer_ids = [e.ids for e in tokenizer.encode_batch(answers)]
+    prompt_ids, answer_ids = [], []
+    for i in range(0, len(tasks), chunk):  # chunks: fewer Python lists alive at once
+        part = tasks[i : i + chunk]
+        prompts = [tok.render_chat(t.messages()) for t in part]
+        answers = [t.answer + tok.EOS_TOKEN for t in part]
+        prompt_ids += [np.array(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(prompts)]
+        answer_ids += [np.array(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(answers)]
     return Examples.from_pairs(prompt_ids, answer_ids, max_len)
 
 
@@ -158,9 +254,16 @@ def tokenizer_stage(args, train_fns: list, train_tasks: list):
     return tokenizer
 
 
-def tokenize_stage(args, tokenizer, train_tasks: list, held_tasks: list, counts: dict):
+def tokenize_stage(args, tokenizer, train_tasks: list, held_tasks: list, counts: dict, device):
     train_examples = tokenize_tasks(tokenizer, train_tasks, args.max_len)
     held_examples = tokenize_tasks(tokenizer, held_tasks, args.max_len)
+    per_kind = args.track_tasks
+    if per_kind is None:
+        per_kind = 256 if device.type == "cuda" else 32
+    tracked = {
+        name: tokenize_tasks(tokenizer, tasks, args.max_len)
+        for name, tasks in tracked_tasks(held_tasks, per_kind // 4, args.eval_limit).items()
+    }
     counts["examples"] = {
         "train": len(train_examples),
         "train_dropped_too_long": len(train_tasks) - len(train_examples),
@@ -169,14 +272,16 @@ def tokenize_stage(args, tokenizer, train_tasks: list, held_tasks: list, counts:
         "held_out": len(held_examples),
         "held_out_tokens": int(held_examples.lengths.sum()),
         "long_system_prompt_tokens": len(tokenizer.encode(data.long_system_prompt()).ids),
+        "tracked_held_out": {name: len(ex) for name, ex in tracked.items()},
     }
     log(f"tokens: {counts['examples']}")
-    return train_examples, held_examples
+    return train_examples, held_examples, tracked
 
 
-def train_stage(args, tokenizer, train_examples, device):
+def train_stage(args, tokenizer, train_examples, tracked: dict, device):
     """A fresh model trained within the time left; returns (model, training summary)."""
     from recipe.train import (
+        HeldOut,
         ModelConfig,
         Qwen2ForCausalLM,
         StopFlag,
@@ -185,7 +290,13 @@ def train_stage(args, tokenizer, train_examples, device):
         train,
     )
 
-    model = Qwen2ForCausalLM(ModelConfig(vocab_size=tokenizer.get_vocab_size()))
+    model = Qwen2ForCausalLM(
+        ModelConfig(vocab_size=tokenizer.get_vocab_size()),
+        dropout=args.dropout,
+        attention_dropout=args.attention_dropout,
+    )
+    pad_id = tok.special_token_ids(tokenizer)[tok.PAD_TOKEN]
+    held_out = HeldOut(tracked, pad_id, batch_tokens_for(args, device))
     # Leave time for export and the report within --total-minutes.
     minutes_left = args.total_minutes - (time.time() - START_S) / 60 - 0.75
     train_minutes = max(0.1, min(args.minutes, minutes_left))
@@ -200,22 +311,26 @@ def train_stage(args, tokenizer, train_examples, device):
         seed=args.seed,
         device=str(device),
         compile=args.compile,
+        log_every_s=args.track_every_s or (10.0 if device.type == "cuda" else 60.0),
+        keep_best=args.keep_best == "on",
     )
-    log(f"model: {count_parameters(model):,} parameters, {model.config}")
+    log(
+        f"model: {count_parameters(model):,} parameters, {model.config}, "
+        f"dropout {args.dropout}, attention dropout {args.attention_dropout}"
+    )
     stop = StopFlag()  # SIGTERM/Ctrl-C end training early; the model is still exported
     stop.install()
     try:
         summary = train(
-            model,
-            train_examples,
-            config,
-            tok.special_token_ids(tokenizer)[tok.PAD_TOKEN],
-            log=log,
-            stop=stop,
+            model, train_examples, config, pad_id, log=log, stop=stop, held_out=held_out
         )
     finally:
         stop.uninstall()
-    log(f"training done: {summary['steps']} steps, loss {summary['final_loss']:.4f}")
+    best = summary.get("best") or {}
+    log(
+        f"training done: {summary['steps']} steps, loss {summary['final_loss']:.4f}; best "
+        f"held-out loss {best.get('held_out_loss')} at step {best.get('step')}"
+    )
     return model, summary
 
 
@@ -259,10 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     tokenizer = timed(seconds, "tokenizer", tokenizer_stage, args, train_fns, train_tasks)
-    train_examples, held_examples = timed(
-        seconds, "tokenize", tokenize_stage, args, tokenizer, train_tasks, held_tasks, counts
+    train_examples, held_examples, tracked = timed(
+        seconds,
+        "tokenize",
+        tokenize_stage,
+        *(args, tokenizer, train_tasks, held_tasks, counts, device),
     )
-    model, summary = timed(seconds, "train", train_stage, args, tokenizer, train_examples, device)
+    model, summary = timed(
+        seconds, "train", train_stage, args, tokenizer, train_examples, tracked, device
+    )
     model_report = timed(
         seconds, "export", export_stage, args, model, tokenizer, held_examples, device
     )

@@ -11,6 +11,7 @@ All functions here are pure (text in, text out) except the file walkers at the b
 from __future__ import annotations
 
 import ast
+import builtins
 import hashlib
 import io
 import keyword
@@ -74,6 +75,7 @@ class Task:
     user: str
     answer: str
     system: str = SYSTEM
+    variant: int = 0  # 0: the canonical task (held-out, jobs); >= 1: a training variant
 
     def messages(self) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -259,7 +261,7 @@ def rename_identifier(src: str, old: str, new: str) -> str:
 def rename_candidates(src: str) -> list[tuple[str, str]]:
     """(name, "parameter" | "local variable") pairs, in source order, safe to rename."""
     fn = parse_function(src)
-    if any(_uses_name(fn, name) for name in NAME_INTROSPECTION):
+    if NAME_INTROSPECTION & {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}:
         return []
     args = fn.args
     params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
@@ -282,12 +284,72 @@ def rename_candidates(src: str) -> list[tuple[str, str]]:
     return found
 
 
-def pick_new_name(rng: random.Random, src: str) -> str:
+def _is_fresh(name: str, src: str) -> bool:
+    return not re.search(rf"\b{re.escape(name)}\b", src)
+
+
+def pick_new_name(rng: random.Random, src: str, pool: tuple[str, ...] = ()) -> str:
+    """A name that does not occur in `src`: head + tail from the fixed lists, or (half of
+    the time, when a `pool` of harvested names is given) a name from the pool."""
+    if pool and rng.random() < 0.5:
+        for _ in range(20):
+            name = rng.choice(pool)
+            if _is_fresh(name, src):
+                return name
     for _ in range(20):
         name = rng.choice(NEW_NAME_HEADS) + rng.choice(NEW_NAME_TAILS)
-        if not re.search(rf"\b{name}\b", src):
+        if _is_fresh(name, src):
             return name
     raise ValueError("no fresh name found")
+
+
+# Never respelled: builtins would turn into undefined names, self/cls are conventions,
+# soft keywords and "_" have meanings of their own.
+KEPT_NAMES = frozenset(dir(builtins)) | {"self", "cls", "_", "match", "case", "type"}
+
+
+def respell_identifiers(src: str, rng: random.Random, pool: tuple[str, ...], share: float) -> str:
+    """`src` with about `share` of its distinct identifiers (parameters, locals, globals,
+    attribute and keyword-argument names) consistently respelled with fresh names from
+    `pool`. Kept: the function's own name, builtins, dunders and any name that occurs in
+    an f-string (tokenized differently across Python versions). The code keeps its shape
+    and stays valid, not necessarily equivalent: training variants show such functions so
+    that the exact text of a function recurs far less often than the function."""
+    fn = parse_function(src)
+    kept = set(KEPT_NAMES) | {fn.name}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.JoinedStr):
+            kept.update(re.findall(r"\w+", ast.get_source_segment(src, node) or ""))
+    tokens = _tokens(src)
+    names = sorted(
+        {
+            t.string
+            for t in tokens
+            if t.type == tokenize.NAME
+            and not keyword.iskeyword(t.string)
+            and not t.string.startswith("__")
+            and t.string not in kept
+        }
+    )
+    if not pool or not names:
+        return src
+    mapping, taken = {}, set()
+    for old in rng.sample(names, max(1, round(share * len(names)))):
+        for _ in range(10):
+            new = rng.choice(pool)
+            if new not in taken and new not in names and _is_fresh(new, src):
+                mapping[old] = new
+                taken.add(new)
+                break
+    lines = src.split("\n")
+    hits = [t for t in tokens if t.type == tokenize.NAME and t.string in mapping]
+    for t in sorted(hits, key=lambda t: t.start, reverse=True):
+        row, col = t.start
+        line = lines[row - 1]
+        lines[row - 1] = line[:col] + mapping[t.string] + line[t.end[1] :]
+    result = "\n".join(lines)
+    parse_function(result)  # ValueError/SyntaxError: the caller skips the variant
+    return result
 
 
 # ---------------------------------------------------------------- edit: remove_comments
@@ -308,6 +370,54 @@ def remove_comments(src: str) -> str:
         else:
             dropped_rows.add(row)
     return "\n".join(line for row, line in enumerate(lines, 1) if row not in dropped_rows)
+
+
+def comment_slots(src: str) -> list[tuple[int, int, str]]:
+    """Where a comment can go without changing the code: (row, col, "line") for a
+    comment-only line before the statement that starts on `row` (not the def line), and
+    (row, col, "trail") for a trailing comment at the end of a logical line that has none."""
+    tokens = _tokens(src)
+    lines = src.split("\n")
+    commented_rows = {tok.start[0] for tok in tokens if tok.type == tokenize.COMMENT}
+    skip = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE)
+    slots, line_start = [], True
+    for tok in tokens:
+        if tok.type == tokenize.ENDMARKER:
+            break
+        if tok.type == tokenize.NEWLINE:
+            row, col = tok.start
+            # Not after trailing whitespace: removing the comment would strip it too.
+            if row not in commented_rows and col == len(lines[row - 1]):
+                slots.append((row, col, "trail"))
+            line_start = True
+        elif tok.type not in skip and line_start:
+            if tok.start[0] > 1:
+                slots.append((tok.start[0], tok.start[1], "line"))
+            line_start = False
+    return slots
+
+
+def inject_comments(src: str, rng: random.Random, pool: tuple[str, ...], count: int) -> str:
+    """`src` with `count` comments from `pool` added (comment-only lines and trailing
+    comments); remove_comments() of the result equals remove_comments(src), else
+    ValueError."""
+    slots = comment_slots(src)
+    if not pool or not slots:
+        raise ValueError("nowhere to put a comment")
+    lines = src.split("\n")
+    chosen = rng.sample(slots, min(count, len(slots)))
+    # Bottom-up, and a row's trailing comment before a line inserted above that row.
+    for row, col, where in sorted(chosen, key=lambda s: (s[0], s[2] == "trail"), reverse=True):
+        text = "# " + rng.choice(pool)
+        line = lines[row - 1]
+        if where == "trail":
+            lines[row - 1] = line + "  " + text
+        else:
+            lines.insert(row - 1, _indent(line) + text)
+    result = "\n".join(lines)
+    if remove_comments(result) != remove_comments(src) or not same_ast(result, src):
+        raise ValueError("comment injection changed the code")
+    return result
 
 
 # ---------------------------------------------------------------- edit: docstring
@@ -457,40 +567,69 @@ def fenced(src: str) -> str:
     return f"```python\n{src}\n```"
 
 
-def _task(fn: Function, kind: str, instruction: str, shown: str, answer: str) -> Task:
-    return Task(kind, fn.name, fn.path, f"{instruction}\n\n{fenced(shown)}", answer)
+def _task(
+    fn: Function, kind: str, instruction: str, shown: str, answer: str, variant: int = 0
+) -> Task:
+    user = f"{instruction}\n\n{fenced(shown)}"
+    return Task(kind, fn.name, fn.path, user, answer, variant=variant)
 
 
 def _variant_rng(fn: Function, kind: str, variant: int) -> random.Random:
     return function_rng(fn.name, kind if variant == 0 else f"{kind}#{variant}")
 
 
-def rename_task(fn: Function, variant: int = 0) -> Task | None:
+@dataclass(frozen=True)
+class Pools:
+    """Text harvested from the training functions for augmented training variants: local
+    and parameter names, comment texts, one-line docstring summaries (sorted, distinct)."""
+
+    names: tuple[str, ...] = ()
+    comments: tuple[str, ...] = ()
+    summaries: tuple[str, ...] = ()
+
+
+def rename_task(fn: Function, variant: int = 0, names: tuple[str, ...] = ()) -> Task | None:
     candidates = rename_candidates(fn.source)
     if not candidates:
         return None
     rng = _variant_rng(fn, "rename", variant)
     old, role = rng.choice(candidates)
-    new = pick_new_name(rng, fn.source)
+    new = pick_new_name(rng, fn.source, names)
     instruction = f"Rename the {role} `{old}` to `{new}` everywhere in this function."
-    return _task(fn, "rename", instruction, fn.source, rename_identifier(fn.source, old, new))
+    answer = rename_identifier(fn.source, old, new)
+    return _task(fn, "rename", instruction, fn.source, answer, variant)
 
 
-def remove_comments_task(fn: Function, variant: int = 0) -> Task | None:
-    answer = remove_comments(fn.source)
-    if answer == fn.source or not same_ast(answer, fn.source):
+def remove_comments_task(
+    fn: Function, variant: int = 0, comments: tuple[str, ...] = ()
+) -> Task | None:
+    """With a `comments` pool, 1-4 comments are added first: every function can then be
+    a remove_comments task, not only the ~20% that have comments."""
+    shown = fn.source
+    if comments:
+        rng = _variant_rng(fn, "remove_comments", variant)
+        try:
+            shown = inject_comments(fn.source, rng, comments, rng.randint(1, 4))
+        except (ValueError, SyntaxError, tokenize.TokenError):
+            pass
+    answer = remove_comments(shown)
+    if answer == shown or not same_ast(answer, shown):
         return None
     instruction = (
         "Remove all `#` comments from this function. Keep everything else, "
         "including docstrings and strings, exactly as it is."
     )
-    return _task(fn, "remove_comments", instruction, fn.source, answer)
+    return _task(fn, "remove_comments", instruction, shown, answer, variant)
 
 
-def docstring_task(fn: Function, variant: int = 0) -> Task | None:
+def docstring_task(fn: Function, variant: int = 0, summaries: tuple[str, ...] = ()) -> Task | None:
+    """The real summary line put back, or a summary made from the name; with a pool of
+    `summaries`, 40% of the time another function's summary line instead."""
     rng = _variant_rng(fn, "docstring", variant)
     summary = docstring_summary(fn.source)
-    if summary is not None and rng.random() < 0.5:
+    if summaries and rng.random() < 0.4:
+        shown, text = fn.source, rng.choice(summaries)
+    elif summary is not None and rng.random() < 0.5:
         # Add back the real summary line to the function stripped of its docstring.
         shown, text = strip_docstring(fn.source), summary
     else:
@@ -502,7 +641,7 @@ def docstring_task(fn: Function, variant: int = 0) -> Task | None:
         instruction = f'Replace the docstring of this function with the one-line docstring "{text}"'
     else:
         instruction = f'Add the one-line docstring "{text}" to this function.'
-    return _task(fn, "docstring", instruction, shown, answer)
+    return _task(fn, "docstring", instruction, shown, answer, variant)
 
 
 def reorder_args_task(fn: Function, variant: int = 0) -> Task | None:
@@ -515,19 +654,39 @@ def reorder_args_task(fn: Function, variant: int = 0) -> Task | None:
         "Change only the signature; leave the body and any call sites unchanged."
     )
     answer = swap_parameters(fn.source, first, second)
-    return _task(fn, "reorder_args", instruction, fn.source, answer)
+    return _task(fn, "reorder_args", instruction, fn.source, answer, variant)
 
 
 def write_function_task(fn: Function, variant: int = 0) -> Task | None:
     header = function_header(fn.source)
     if header == fn.source:
         return None
+    return _task(fn, "write_function", write_function_instruction(fn), header, fn.source)
+
+
+def write_function_instruction(fn: Function) -> str:
     what = "method" if "." in fn.qualname else "function"
-    instruction = (
+    return (
         f"Write the {what} `{fn.qualname}` of the Python standard library module "
         f"`{fn.module}`. It begins like this:"
     )
-    return _task(fn, "write_function", instruction, header, fn.source)
+
+
+def augmented_task(kind: str, fn: Function, variant: int, pools: Pools) -> Task | None:
+    """Training variant `variant` (>= 1) of an edit kind: the function with 20-60% of its
+    identifiers respelled, then the kind's task with choices drawn from the pools."""
+    rng = _variant_rng(fn, f"{kind}+respell", variant)
+    respelled = respell_identifiers(fn.source, rng, pools.names, rng.uniform(0.2, 0.6))
+    shown = replace(fn, source=respelled)
+    if kind == "rename":
+        return rename_task(shown, variant, pools.names)
+    if kind == "remove_comments":
+        return remove_comments_task(shown, variant, pools.comments)
+    if kind == "docstring":
+        return docstring_task(shown, variant, pools.summaries)
+    if kind == "reorder_args":
+        return reorder_args_task(shown, variant)
+    raise ValueError(f"no augmented variants for {kind!r}")
 
 
 TASK_BUILDERS = {
@@ -544,20 +703,40 @@ TASK_BUILDERS = {
 VARIED_KINDS = frozenset({"rename", "docstring", "reorder_args"})
 
 
-def make_tasks(fn: Function, variants: int = 1) -> list[Task]:
+def make_tasks(
+    fn: Function, variants: int = 1, pools: Pools | None = None, write_function: bool = True
+) -> list[Task]:
     """Every task kind that applies to `fn`, in KINDS order, with up to `variants`
-    distinct tasks for the randomized kinds; deterministic."""
+    distinct tasks per kind; deterministic. Variant 0 of each kind is the canonical task
+    (pools or not). Without `pools`, further variants exist for the randomized kinds only
+    (other choices on the same text); with `pools`, every edit kind gets augmented
+    variants (see augmented_task). `write_function=False` leaves the free-form task out."""
     tasks, seen_users = [], set()
     for kind in KINDS:
-        for variant in range(variants if kind in VARIED_KINDS else 1):
+        if kind == "write_function" and not write_function:
+            continue
+        varied = kind in (VARIED_KINDS if pools is None else EDIT_KINDS)
+        for variant in range(variants if varied else 1):
             try:
-                task = TASK_BUILDERS[kind](fn, variant)
+                if variant and pools is not None:
+                    task = augmented_task(kind, fn, variant, pools)
+                else:
+                    task = TASK_BUILDERS[kind](fn, variant)
             except (ValueError, SyntaxError, tokenize.TokenError):
                 continue
             if task is not None and task.user not in seen_users:
                 seen_users.add(task.user)
                 tasks.append(task)
     return tasks
+
+
+def keeps_write_function(fn: Function, percent: int) -> bool:
+    """Whether `fn` keeps its write_function task when only `percent`% of functions do."""
+    return stable_hash(f"{fn.name}|write_function") % 100 < percent
+
+
+def _tasks_of(fn: Function, variants: int, pools: Pools | None, write_percent: int) -> list[Task]:
+    return make_tasks(fn, variants, pools, keeps_write_function(fn, write_percent))
 
 
 # ---------------------------------------------------------------- extraction
@@ -680,10 +859,62 @@ def split_functions(functions: list[Function]) -> tuple[list[Function], list[Fun
 
 
 def build_tasks(
-    functions: list[Function], variants: int = 1, processes: int | None = None
+    functions: list[Function],
+    variants: int = 1,
+    processes: int | None = None,
+    pools: Pools | None = None,
+    write_function_percent: int = 100,
 ) -> list[Task]:
-    per_function = _pool_map(partial(make_tasks, variants=variants), functions, processes)
+    build = partial(_tasks_of, variants=variants, pools=pools, write_percent=write_function_percent)
+    per_function = _pool_map(build, functions, processes)
     return [t for ts in per_function for t in ts]
+
+
+def _harvest(fn: Function) -> tuple[list[str], list[str], str | None]:
+    """(names, comment texts, docstring summary) of one function."""
+    try:
+        tree = parse_function(fn.source)
+        comments = [
+            tok.string[1:].strip()
+            for tok in _tokens(fn.source)
+            if tok.type == tokenize.COMMENT
+        ]
+        summary = docstring_summary(fn.source)
+    except (ValueError, SyntaxError, tokenize.TokenError):
+        return [], [], None
+    args = tree.args
+    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+    names += [
+        n.id
+        for n in _walk_own_scope(tree)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    ]
+    # Local-looking names only (no CONSTANTS, no dunders).
+    names = [
+        n
+        for n in names
+        if 2 <= len(n) <= 24
+        and (n[0].islower() or (n[0] == "_" and n[1:2].islower()))
+        and not n.startswith("__")
+        and n not in ("self", "cls")
+    ]
+    comments = [
+        c
+        for c in comments
+        if 4 <= len(c) <= 60 and c.isprintable() and "```" not in c and c[0] not in "#!"
+    ]
+    return names, comments, summary
+
+
+def harvest_pools(functions: list[Function], processes: int | None = None) -> Pools:
+    """Pools for augmented variants, from (training) functions only."""
+    names, comments, summaries = set(), set(), set()
+    for fn_names, fn_comments, summary in _pool_map(_harvest, functions, processes):
+        names.update(fn_names)
+        comments.update(fn_comments)
+        if summary:
+            summaries.add(summary)
+    return Pools(tuple(sorted(names)), tuple(sorted(comments)), tuple(sorted(summaries)))
 
 
 # ---------------------------------------------------------------- system prompts

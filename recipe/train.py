@@ -97,8 +97,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, dropout: float = 0.0):
         super().__init__()
+        self.dropout = dropout  # on the attention weights, in training only
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -118,7 +119,8 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -134,33 +136,43 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, dropout: float = 0.0, attention_dropout: float = 0.0):
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, attention_dropout)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Residual dropout (GPT-2 style) on each branch's output; identity in eval mode,
+        # and no parameters: the export is the same with or without it.
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin))
+        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Qwen2Body(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, dropout: float = 0.0, attention_dropout: float = 0.0):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dropout, attention_dropout)
+            for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """Tied embeddings: the output projection is embed_tokens.weight, no lm_head."""
+    """Tied embeddings: the output projection is embed_tokens.weight, no lm_head.
 
-    def __init__(self, config: ModelConfig):
+    `dropout` (residual branches and embeddings) and `attention_dropout` act in training
+    mode only; they are not part of ModelConfig since the exported model has none."""
+
+    def __init__(self, config: ModelConfig, dropout: float = 0.0, attention_dropout: float = 0.0):
         super().__init__()
         self.config = config
-        self.model = Qwen2Body(config)
+        self.model = Qwen2Body(config, dropout, attention_dropout)
+        self.embed_dropout = nn.Dropout(dropout)
         cos, sin = rope_tables(config)
         # Not persistent: the export must contain only the weights mlx-lm knows.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -181,14 +193,20 @@ class Qwen2ForCausalLM(nn.Module):
             else:
                 nn.init.normal_(param, std=std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final-norm outputs, (batch, length, hidden)."""
         length = input_ids.shape[1]
         cos, sin = self.rope_cos[:length], self.rope_sin[:length]
-        h = self.model.embed_tokens(input_ids)
+        h = self.embed_dropout(self.model.embed_tokens(input_ids))
         for layer in self.model.layers:
             h = layer(h, cos, sin)
-        h = self.model.norm(h)
-        return h @ self.model.embed_tokens.weight.t()
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.model.embed_tokens.weight.t()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids))
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -248,9 +266,9 @@ class Examples:
         kept = [(p, a) for p, a in zip(prompts, answers) if len(p) + len(a) - 1 <= max_len]
         lengths = np.array([len(p) + len(a) for p, a in kept], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        flat = [t for p, a in kept for t in (*p, *a)]
+        pieces = [np.asarray(x, dtype=np.int32) for pair in kept for x in pair]
         return cls(
-            tokens=np.array(flat, dtype=np.int32),
+            tokens=np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32),
             starts=starts,
             lengths=lengths,
             prompt_lengths=np.array([len(p) for p, _ in kept], dtype=np.int64),
@@ -289,6 +307,91 @@ def make_batch(examples: Examples, rows: np.ndarray, pad_id: int, bucket: int = 
     return inputs, targets
 
 
+def fixed_batches(examples: Examples, batch_tokens: int, bucket: int = 64) -> list[np.ndarray]:
+    """Every example exactly once, in batches of similar padded length within
+    batch_tokens (a lone over-long example gets a batch of its own); deterministic."""
+    padded = -(-(examples.lengths - 1) // bucket) * bucket
+    batches, current, width = [], [], 0
+    for i in np.argsort(padded, kind="stable"):
+        new_width = max(width, int(padded[i]))
+        if current and new_width * (len(current) + 1) > batch_tokens:
+            batches.append(np.array(current))
+            current, new_width = [], int(padded[i])
+        current.append(int(i))
+        width = new_width
+    if current:
+        batches.append(np.array(current))
+    return batches
+
+
+class HeldOut:
+    """A fixed held-out subset in named groups (e.g. "edit", "write_function"): answer
+    loss per group, in eval mode (no dropout), without gradients, eagerly (a compiled
+    layer would recompile for eval mode). The batches are built once."""
+
+    def __init__(self, groups: dict[str, Examples], pad_id: int, batch_tokens: int):
+        self.groups = {
+            name: [make_batch(ex, rows, pad_id) for rows in fixed_batches(ex, batch_tokens)]
+            for name, ex in groups.items()
+            if len(ex)
+        }
+        self.examples = {name: len(ex) for name, ex in groups.items()}
+
+    @torch.no_grad()
+    def losses(self, model: Qwen2ForCausalLM) -> dict[str, float]:
+        device = next(model.parameters()).device
+        was_training = model.training
+        compiled = [layer._compiled_call_impl for layer in model.model.layers]
+        decompile_layers(model)
+        model.eval()
+        loss_fn = loss_function(model, device)
+        try:
+            found = {}
+            for name, batches in self.groups.items():
+                total, count = torch.zeros((), device=device), 0
+                for inputs_np, targets_np in batches:
+                    batch = device_batch(inputs_np, targets_np, device)
+                    n = len(batch[2])
+                    total += loss_fn(*batch).detach() * n
+                    count += n
+                found[name] = (total / max(1, count)).item()
+            return found
+        finally:
+            for layer, impl in zip(model.model.layers, compiled):
+                layer._compiled_call_impl = impl
+            model.train(was_training)
+
+
+def selection_loss(losses: dict[str, float], select: str | None) -> float:
+    """The loss that picks the best weights: group `select` when there is one, else the
+    mean of all groups."""
+    if not losses:
+        return float("nan")
+    if select in losses:
+        return losses[select]
+    return sum(losses.values()) / len(losses)
+
+
+class BestWeights:
+    """A copy (on the model's device) of the weights with the lowest held-out loss so far."""
+
+    def __init__(self):
+        self.loss, self.step, self.seconds, self.state = math.inf, None, None, None
+
+    def update(self, model: nn.Module, loss: float, step: int, seconds: float) -> bool:
+        if not loss < self.loss:  # NaN never counts as better
+            return False
+        self.loss, self.step, self.seconds = loss, step, seconds
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return True
+
+    def restore(self, model: nn.Module) -> bool:
+        if self.state is None:
+            return False
+        model.load_state_dict(self.state)
+        return True
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -305,7 +408,11 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     compile: str = "auto"  # auto = on CUDA only
-    log_every_s: float = 15.0  # by time, so a 5-minute run logs ~20 lines at any speed
+    # By time, so that a run logs the same number of lines at any speed; held-out losses
+    # (when a HeldOut set is given) are measured at every log line.
+    log_every_s: float = 15.0
+    keep_best: bool = True  # end with the weights of the best held-out loss
+    select: str = "edit"  # the HeldOut group whose loss picks the best weights
 
 
 def pick_device(name: str) -> torch.device:
@@ -335,15 +442,29 @@ def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device):
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
+def device_batch(inputs: np.ndarray, targets: np.ndarray, device: torch.device) -> tuple:
+    """(inputs, answer positions, answer targets) on the device. The positions (flat
+    indices of the answer tokens, found on the host: no device sync) let the loss compute
+    logits for answer tokens only, about a third of all tokens."""
+    flat = targets.reshape(-1)
+    positions = np.flatnonzero(flat != IGNORE_INDEX)
+    return (
+        _to_device(inputs, device),
+        _to_device(positions, device),
+        _to_device(np.ascontiguousarray(flat[positions]), device),
+    )
+
+
 def loss_function(model: nn.Module, device: torch.device) -> Callable:
+    """loss_fn(inputs, positions, answer_targets) -> mean answer-token cross-entropy."""
     autocast = device.type == "cuda"
 
-    def loss_fn(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_fn(inputs: torch.Tensor, positions: torch.Tensor, answers: torch.Tensor):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(inputs)
-        return F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), targets.view(-1), ignore_index=IGNORE_INDEX
-        )
+            hidden = model.hidden_states(inputs)
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+            logits = model.logits(hidden)
+        return F.cross_entropy(logits.float(), answers)
 
     return loss_fn
 
@@ -465,8 +586,8 @@ class LossMeter:
         return f"loss {self.last_loss:.4f} {tokens_per_s:,.0f} tok/s elapsed {elapsed_s:.0f}s"
 
 
-def train_step(model, optimizer, loss_fn, inputs, targets, grad_clip: float) -> torch.Tensor:
-    loss = loss_fn(inputs, targets)
+def train_step(model, optimizer, loss_fn, batch: tuple, grad_clip: float) -> torch.Tensor:
+    loss = loss_fn(*batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
@@ -481,8 +602,11 @@ def train(
     pad_id: int,
     log: Callable[[str], None] = print,
     stop: StopFlag | None = None,
+    held_out: HeldOut | None = None,
 ) -> dict:
-    """Train in place until the step or time budget runs out; return a summary."""
+    """Train in place until the step or time budget runs out; return a summary. With a
+    `held_out` set, its losses are measured at every log line and the model ends with
+    the weights of the lowest one (config.keep_best)."""
     device = pick_device(config.device)
     torch.manual_seed(config.seed)
     if device.type == "cuda":
@@ -496,6 +620,7 @@ def train(
     meter = LossMeter(device, config.log_every_s)
     stop = stop or StopFlag()
     count = Counts()
+    tracker = Tracker(held_out, config, log)
     log(f"training on {device}: {len(examples)} examples, {examples.target_tokens} answer tokens")
     for count.epoch, rows in batch_stream(
         examples, config.batch_tokens, np.random.default_rng(config.seed)
@@ -505,9 +630,9 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(config, count.steps, progress.fraction(count.steps))
         inputs_np, targets_np = make_batch(examples, rows, pad_id)
-        inputs, targets = _to_device(inputs_np, device), _to_device(targets_np, device)
+        batch = device_batch(inputs_np, targets_np, device)
         try:
-            loss = train_step(model, optimizer, loss_fn, inputs, targets, config.grad_clip)
+            loss = train_step(model, optimizer, loss_fn, batch, config.grad_clip)
         except Exception as error:  # noqa: BLE001 - a compiled-graph failure
             if not compiled:
                 raise
@@ -515,7 +640,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             decompile_layers(model)
             compiled = False
-            loss = train_step(model, optimizer, loss_fn, inputs, targets, config.grad_clip)
+            loss = train_step(model, optimizer, loss_fn, batch, config.grad_clip)
         count.steps += 1
         count.tokens += inputs_np.size
         count.real_tokens += int((examples.lengths[rows] - 1).sum())
@@ -526,14 +651,76 @@ def train(
         line = meter.report(count.steps, time.time() - progress.start_s)
         if line:
             lr = optimizer.param_groups[0]["lr"]
+            line += tracker.measure(model, count.steps, time.time() - progress.start_s, meter)
             log(f"step {count.steps} epoch {count.epoch} lr {lr:.2e} {line}")
-    meter.report(count.steps, time.time() - progress.start_s, force=True)
+    line = meter.report(count.steps, time.time() - progress.start_s, force=True)
+    if line:
+        line += tracker.measure(model, count.steps, time.time() - progress.start_s, meter)
+        log(f"final: step {count.steps} {line}")
     decompile_layers(model)  # evaluation and export run eagerly: no second compile
     count.compiled = compiled
     count.stopped_by = (
         "signal" if stop.stop else ("steps" if count.steps >= config.max_steps else "time")
     )
-    return training_summary(config, device, progress, meter, count)
+    summary = training_summary(config, device, progress, meter, count)
+    summary.update(tracker.finish(model))
+    return summary
+
+
+class Tracker:
+    """Held-out losses at every log line, their curve, and the best weights."""
+
+    def __init__(self, held_out: HeldOut | None, config: TrainConfig, log: Callable):
+        self.held_out, self.config, self.log = held_out, config, log
+        self.best = BestWeights()
+        self.curve, self.eval_s = [], 0.0
+
+    def measure(self, model, step: int, seconds: float, meter: LossMeter) -> str:
+        if self.held_out is None:
+            return ""
+        start = time.time()
+        losses = self.held_out.losses(model)
+        loss = selection_loss(losses, self.config.select)
+        improved = self.best.update(model, loss, step, seconds)  # restored if keep_best
+        self.eval_s += time.time() - start
+        self.curve.append(
+            {
+                "step": step,
+                "seconds": round(seconds, 1),
+                "train_loss": round(meter.last_loss, 4),
+                "held_out_loss": round(loss, 4),
+                **{f"held_out_{name}": round(value, 4) for name, value in losses.items()},
+            }
+        )
+        parts = " ".join(f"{name} {value:.4f}" for name, value in losses.items())
+        return f" | held-out {parts}{' *' if improved else ''}"
+
+    def finish(self, model) -> dict:
+        """Restore the best weights (when they are not the last ones); the summary part."""
+        if self.held_out is None:
+            return {}
+        final_step = self.curve[-1]["step"] if self.curve else None
+        restored = (
+            self.config.keep_best and self.best.step != final_step and self.best.restore(model)
+        )
+        if restored:
+            self.log(
+                f"restored the weights of step {self.best.step} (held-out "
+                f"{self.config.select} loss {self.best.loss:.4f})"
+            )
+        self.best.state = None  # free the copy
+        return {
+            "held_out_examples": self.held_out.examples,
+            "held_out_select": self.config.select,
+            "held_out_eval_s": round(self.eval_s, 1),
+            "held_out_curve": self.curve,
+            "best": {
+                "step": self.best.step,
+                "seconds": None if self.best.seconds is None else round(self.best.seconds, 1),
+                "held_out_loss": None if self.best.step is None else round(self.best.loss, 4),
+                "restored": bool(restored),
+            },
+        }
 
 
 @dataclass
@@ -585,8 +772,9 @@ def evaluate_loss(
     batches = plan_batches(examples, batch_tokens, np.random.default_rng(0))[:max_batches]
     for rows in batches:
         inputs_np, targets_np = make_batch(examples, rows, pad_id)
-        n = int((targets_np != IGNORE_INDEX).sum())
-        loss = loss_fn(_to_device(inputs_np, device), _to_device(targets_np, device))
+        batch = device_batch(inputs_np, targets_np, device)
+        n = len(batch[2])
+        loss = loss_fn(*batch)
         total += loss.item() * n
         count += n
     model.train()

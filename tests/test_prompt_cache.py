@@ -166,3 +166,17 @@ def test_slots_are_not_changed_by_jobs(model_dir):
     assert [c.offset for c in slot.cache] == offsets
     for b, c in zip(before, slot.cache):
         assert mx.array_equal(b, c.state[0])
+
+
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        ({"memory_size": 64 << 30}, (64 << 30) // 10),  # Metal
+        ({"total_memory": 140 << 30, "device_name": "NVIDIA H200"}, (140 << 30) // 10),  # CUDA
+    ],
+)
+def test_default_pool_bytes_reads_the_device_memory(monkeypatch, info, expected):
+    from batchgen import prompt_cache
+
+    monkeypatch.setattr(prompt_cache.mx, "device_info", lambda: info)
+    assert prompt_cache.default_pool_bytes() == expected

@@ -319,3 +319,145 @@ def test_render_chat_matches_the_jinja_template():
     )
     assert render_chat(messages) == expected
     assert expected.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ---------------------------------------------------------------- augmented training variants
+
+COMMENTED = (
+    "def f(x, y=1):\n"
+    "    total = x + y  # sum\n"
+    "    s = '# kept'\n"
+    "    for item in range(total):\n"
+    "        total += item\n"
+    "    return total, s"
+)
+POOLS = data.Pools(
+    names=("alpha", "beta_count", "gamma"),
+    comments=("check the bounds", "see issue 42", "fast path"),
+    summaries=("Return the first entry.", "Compute the checksum of a block."),
+)
+
+
+def test_comment_slots_are_statement_starts_and_uncommented_line_ends():
+    slots = data.comment_slots(COMMENTED)
+    lines = {(row, where) for row, _col, where in slots}
+    # Statements start on rows 2-6; row 1 is the def line (no line before it).
+    assert {row for row, where in lines if where == "line"} == {2, 3, 4, 5, 6}
+    # Every logical line ends in a slot, except row 2, which has a comment already.
+    assert {row for row, where in lines if where == "trail"} == {1, 3, 4, 5, 6}
+    assert (3, len("    s = '# kept'"), "trail") in slots
+
+
+def test_inject_comments_only_adds_comments():
+    for seed in range(20):
+        rng = __import__("random").Random(seed)
+        shown = data.inject_comments(COMMENTED, rng, POOLS.comments, 3)
+        assert shown != COMMENTED
+        assert data.remove_comments(shown) == data.remove_comments(COMMENTED)
+        assert data.same_ast(shown, COMMENTED)
+        assert shown.count("#") >= COMMENTED.count("#") + 1
+
+
+def test_inject_comments_places_lines_and_trailing_comments_exactly():
+    import random
+
+    class Fixed(random.Random):  # slot order and comment choice made explicit
+        def sample(self, population, k):
+            return [(2, 0, "line"), (3, len("    s = '# kept'"), "trail")]
+
+        def choice(self, seq):
+            return seq[0]
+
+    shown = data.inject_comments(COMMENTED, Fixed(), ("note",), 2)
+    assert shown.split("\n")[1:4] == [
+        "    # note",
+        "    total = x + y  # sum",
+        "    s = '# kept'  # note",
+    ]
+
+
+def test_respell_identifiers_is_a_consistent_token_substitution():
+    import random
+    import tokenize
+
+    src = (
+        "def f(self, x, y=1):\n"
+        "    total = len(x) + self.offset\n"
+        "    print(f'{total}', key=total)\n"
+        "    return helper(total, y=y) + x"
+    )
+    pool = tuple(f"name{i}" for i in range(50))
+    for seed in range(10):
+        shown = data.respell_identifiers(src, random.Random(seed), pool, 0.6)
+        before, after = data._tokens(src), data._tokens(shown)
+        assert [t.type for t in before] == [t.type for t in after]
+        assert [t.string for t in before if t.type != tokenize.NAME] == [
+            t.string for t in after if t.type != tokenize.NAME
+        ]
+        pairs = {(a.string, b.string) for a, b in zip(before, after) if a.type == tokenize.NAME}
+        changed = {(a, b) for a, b in pairs if a != b}
+        assert changed and all(b in pool for _, b in changed)
+        assert len({a for a, _ in changed}) == len({b for _, b in changed}) == len(changed)
+        # The def name, self, builtins and f-string names never change.
+        assert not {a for a, _ in changed} & {"f", "self", "len", "print", "total", "def"}
+    # Without a pool, nothing changes.
+    assert data.respell_identifiers(src, random.Random(0), (), 0.6) == src
+
+
+def test_augmented_variants_keep_variant_zero_and_exact_answers():
+    plain = data.make_tasks(FUNCTION, variants=1)
+    augmented = data.make_tasks(FUNCTION, variants=4, pools=POOLS)
+    assert augmented == data.make_tasks(FUNCTION, variants=4, pools=POOLS)
+    # Variant 0 of every kind is the canonical task, with or without pools.
+    assert [t for t in augmented if t.variant == 0] == plain
+    extra = [t for t in augmented if t.variant > 0]
+    assert {t.kind for t in extra} == set(data.EDIT_KINDS)  # remove_comments too
+    assert len({t.user for t in augmented}) == len(augmented)
+    for task in extra:
+        shown = task.user.split("```python\n", 1)[1].removesuffix("\n```")
+        if task.kind == "remove_comments":
+            assert task.answer == data.remove_comments(shown) != shown
+        elif task.kind == "rename":
+            old, new = task.user.split("`")[1], task.user.split("`")[3]
+            assert task.answer == data.rename_identifier(shown, old, new)
+        elif task.kind == "docstring":
+            text = task.user.split('"')[1]
+            assert task.answer == data.set_docstring(shown, text)
+        else:
+            first, second = task.user.split("`")[1], task.user.split("`")[3]
+            assert task.answer == data.swap_parameters(shown, first, second)
+
+
+def test_augmented_variants_use_the_pools():
+    fns = [
+        data.Function("m.py", "m", f"f{i}", FUNCTION.source.replace("area", f"area{i}"))
+        for i in range(30)
+    ]
+    tasks = data.build_tasks(fns, variants=3, processes=1, pools=POOLS)
+    users = "\n".join(t.user for t in tasks)
+    assert any(c in users for c in POOLS.comments)
+    assert any(s in users for s in POOLS.summaries)
+    assert any(n in users for n in POOLS.names)
+
+
+def test_write_function_percent_keeps_a_stable_share():
+    fns = [data.Function("m.py", "m", f"f{i}", FUNCTION.source) for i in range(400)]
+    kept = [f for f in fns if data.keeps_write_function(f, 25)]
+    assert 0.18 <= len(kept) / 400 <= 0.32
+    assert all(data.keeps_write_function(f, 100) for f in fns)
+    tasks = data.build_tasks(fns[:40], processes=1, write_function_percent=0)
+    assert tasks and "write_function" not in {t.kind for t in tasks}
+    tasks = data.build_tasks(fns[:40], processes=1, write_function_percent=100)
+    assert sum(t.kind == "write_function" for t in tasks) == 40
+
+
+def test_harvest_pools_collects_local_names_comments_and_summaries():
+    fns = [
+        FUNCTION,
+        data.Function("m.py", "m", "g", COMMENTED),
+        data.Function("m.py", "m", "h", "def h(self, Value):\n    CONST = 1\n    return CONST"),
+    ]
+    pools = data.harvest_pools(fns, processes=1)
+    assert pools.names == ("height", "item", "scale", "total", "width")
+    assert pools.comments == ("scaled",)  # "sum" is too short to be worth reusing
+    assert pools.summaries == ("Return the scaled area.",)

@@ -235,3 +235,176 @@ def _train_copy_task(model, examples):
     )
     after = evaluate_loss(model, examples, 0, batch_tokens=1024, max_batches=4)
     return before, summary, after
+
+
+# ---------------------------------------------------------------- held-out tracking, dropout
+
+
+def test_fixed_batches_cover_every_example_once_within_budget():
+    from recipe.train import Examples, fixed_batches
+
+    rng = np.random.default_rng(1)
+    prompts = [[1] * int(n) for n in rng.integers(2, 300, size=101)]
+    examples = Examples.from_pairs(prompts, [[2, 3]] * 101, max_len=512)
+    batches = fixed_batches(examples, batch_tokens=1024, bucket=64)
+    used = np.concatenate(batches).tolist()
+    assert sorted(used) == list(range(len(examples)))  # all of them, single rows too
+    for rows in batches:
+        width = -(-(examples.lengths[rows] - 1).max() // 64) * 64
+        assert len(rows) * width <= 1024
+    again = fixed_batches(examples, batch_tokens=1024, bucket=64)
+    assert [b.tolist() for b in again] == [b.tolist() for b in batches]  # deterministic
+    # A lone example wider than the budget still gets its batch.
+    wide = Examples.from_pairs([[1] * 300], [[2]], max_len=512)
+    assert [b.tolist() for b in fixed_batches(wide, 128)] == [[0]]
+
+
+def test_selection_loss_prefers_the_named_group():
+    from recipe.train import selection_loss
+
+    assert selection_loss({"edit": 0.5, "write_function": 2.0}, "edit") == 0.5
+    assert selection_loss({"a": 1.0, "b": 2.0}, "edit") == 1.5
+    assert np.isnan(selection_loss({}, "edit"))
+
+
+def test_best_weights_keep_the_lowest_loss_copy():
+    from recipe.train import BestWeights
+
+    model = torch.nn.Linear(2, 2)
+    best = BestWeights()
+    assert not best.restore(model)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    assert best.update(model, 2.0, step=10, seconds=1.0)
+    with torch.no_grad():
+        model.weight.fill_(2.0)  # the copy must not follow the live weights
+    assert best.update(model, 1.0, step=20, seconds=2.0)
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    assert not best.update(model, 1.5, step=30, seconds=3.0)
+    assert not best.update(model, float("nan"), step=40, seconds=4.0)
+    assert best.restore(model)
+    assert (best.step, best.loss) == (20, 1.0)
+    assert torch.equal(model.weight, torch.full((2, 2), 2.0))
+
+
+class ScriptedHeldOut:
+    """Stands in for HeldOut: returns the scripted losses one measurement after another."""
+
+    examples = {"edit": 3}
+
+    def __init__(self, losses):
+        self.script = iter(losses)
+
+    def losses(self, model):
+        return {"edit": next(self.script), "write_function": 9.0}
+
+
+def test_tracker_records_the_curve_and_restores_the_best_weights():
+    from recipe.train import LossMeter, TrainConfig, Tracker
+
+    model = torch.nn.Linear(2, 2)
+    meter = LossMeter(torch.device("cpu"), 0.0)
+    tracker = Tracker(ScriptedHeldOut([3.0, 1.0, 2.0]), TrainConfig(), log=lambda m: None)
+    for step, value in [(5, 1.0), (10, 2.0), (15, 3.0)]:
+        with torch.no_grad():
+            model.weight.fill_(value)
+        meter.last_loss = value / 10
+        tracker.measure(model, step, seconds=step / 5, meter=meter)
+    summary = tracker.finish(model)
+    assert torch.equal(model.weight, torch.full((2, 2), 2.0))  # the step-10 weights
+    assert summary["best"] == {"step": 10, "seconds": 2.0, "held_out_loss": 1.0, "restored": True}
+    curve = summary["held_out_curve"]
+    assert [(r["step"], r["train_loss"], r["held_out_loss"]) for r in curve] == [
+        (5, 0.1, 3.0),
+        (10, 0.2, 1.0),
+        (15, 0.3, 2.0),
+    ]
+    assert summary["held_out_curve"][0]["held_out_write_function"] == 9.0
+
+
+def test_tracker_keeps_the_last_weights_when_asked_to():
+    from recipe.train import LossMeter, TrainConfig, Tracker
+
+    model = torch.nn.Linear(2, 2)
+    tracker = Tracker(ScriptedHeldOut([1.0, 2.0]), TrainConfig(keep_best=False), lambda m: None)
+    meter = LossMeter(torch.device("cpu"), 0.0)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        tracker.measure(model, step, seconds=step, meter=meter)
+    best = tracker.finish(model)["best"]
+    assert (best["step"], best["restored"]) == (1, False)  # recorded, not restored
+    assert torch.equal(model.weight, torch.full((2, 2), 2.0))
+
+
+def _dropout_model(dropout: float, attention_dropout: float = 0.0) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
+    return Qwen2ForCausalLM(config, dropout=dropout, attention_dropout=attention_dropout)
+
+
+def test_dropout_acts_in_training_only_and_adds_no_weights():
+    ids = torch.randint(0, 64, (2, 16))
+    plain, dropped = _dropout_model(0.0), _dropout_model(0.3, attention_dropout=0.3)
+    assert plain.state_dict().keys() == dropped.state_dict().keys()
+    dropped.load_state_dict(plain.state_dict())
+    plain.eval(), dropped.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(ids), dropped(ids))
+        dropped.train()
+        assert not torch.allclose(dropped(ids), plain(ids))
+
+
+def test_held_out_losses_are_eval_mode_answer_losses():
+    from recipe.train import IGNORE_INDEX, Examples, HeldOut, make_batch
+
+    model = _dropout_model(0.5)
+    model.train()
+    examples = Examples.from_pairs([[1, 5, 6], [1, 9, 9, 9]], [[7, 8, 2], [2]], max_len=64)
+    held_out = HeldOut({"edit": examples}, pad_id=0, batch_tokens=4096)
+    losses = held_out.losses(model)
+    assert model.training  # put back as it was
+    model.eval()
+    inputs, targets = make_batch(examples, np.array([0, 1]), pad_id=0)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(inputs))
+    expected = torch.nn.functional.cross_entropy(
+        logits.view(-1, 64), torch.from_numpy(targets).view(-1), ignore_index=IGNORE_INDEX
+    ).item()
+    assert losses == {"edit": pytest.approx(expected, rel=1e-5)}
+    assert held_out.losses(model) == losses  # deterministic: no dropout
+
+
+def test_training_with_held_out_ends_on_the_best_measured_weights():
+    from recipe.train import Examples, HeldOut, TrainConfig, train
+
+    rng = np.random.default_rng(0)
+    bodies = [rng.integers(4, 32, size=8).tolist() for _ in range(80)]
+    examples = Examples.from_pairs([[1, *b, 3] for b in bodies], [[*b, 2] for b in bodies], 64)
+    held = Examples.from_pairs([[1, *b, 3] for b in bodies[:8]], [[*b, 2] for b in bodies[:8]], 64)
+    model = _dropout_model(0.1)
+    held_out = HeldOut({"edit": held}, pad_id=0, batch_tokens=1024)
+    config = TrainConfig(
+        max_steps=30,
+        batch_tokens=512,
+        lr=1e-2,
+        warmup_steps=5,
+        device="cpu",
+        compile="off",
+        log_every_s=0.0,  # measure after every step
+    )
+    summary = train(model, examples, config, pad_id=0, log=lambda m: None, held_out=held_out)
+    curve = summary["held_out_curve"]
+    assert [r["step"] for r in curve] == list(range(1, 31))
+    best = min(curve, key=lambda r: r["held_out_loss"])
+    assert summary["best"]["step"] == best["step"]
+    assert held_out.losses(model)["edit"] == pytest.approx(best["held_out_loss"], abs=1e-4)
