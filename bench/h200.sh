@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Measurements on an NVIDIA H200 with MLX's CUDA backend (see ../shared/gpu/README.md).
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
-#   bash bench/h200.sh STAGE [STAGE ...]      (stages: env train fusion demo pool pld throughput turboquant)
-# A session's plan (30 device-minutes): call 1 carries .gpu parts aa+ac, call 2 part ab and runs
-# `env train`, call 3 `pld pool throughput`, call 4 `demo fusion turboquant` (each <= 9.5 min).
+#   bash bench/h200.sh STAGE [STAGE ...]      (stages: env train eval fusion demo shapes pool pld throughput turboquant)
+# A session's plan (30 device-minutes, three calls): call 1 carries .gpu parts aa+ac and runs
+# `train` (torch only: the build skips its generation eval without mlx), call 2 carries part ab,
+# unpacks MLX and runs `env eval pld pool`, call 3 `throughput demo fusion` (each <= 9.5 min).
 # Every result lands under $OUT/results (logs + JSON); the trained demo model goes to
 # $DEMO (default /root/demo, kept while the machine stays warm) and to $OUT/demo.tar.
 set -u
@@ -30,8 +31,8 @@ step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, print its tail
 }
 
 stage_env() {
-  step env 60 python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info())"
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv >"$R/nvidia-smi.txt" 2>&1
+  step env 60 python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info())"
 }
 
 stage_train() {
@@ -39,53 +40,52 @@ stage_train() {
   (cd "$DEMO" && tar cf "$OUT/demo.tar" .)
 }
 
-stage_fusion() {  # issue 4: fused vs unfused decode, random weights of real shapes
-  step fusion 420 python3 bench/fusion_micro.py --shapes 0.5b,1.5b,7b,moe --dtypes bf16,4bit \
-    --tokens 128 --prompt-tokens 512 --rounds 5 --out "$R/fusion_micro.json"
+stage_eval() {  # the demo model's held-out generation eval (needs mlx; train may have run without)
+  step eval 150 python3 -m recipe.evaluate --model "$DEMO" --limit 40 --out "$R/demo_eval.json"
 }
 
-stage_demo() {  # issue 3: the demo model and real shapes, every default technique on
-  step demo_edits 200 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 40 --out "$R/demo_edits.json"
-  step demo_freeform 150 $BG jobs/freeform.jsonl --model "$DEMO" --max-jobs 30 --out "$R/demo_freeform.json"
+stage_fusion() {  # issue 4: fused vs unfused decode, random weights of real shapes
+  step fusion 240 python3 bench/fusion_micro.py --shapes "${FUSION_SHAPES:-moe}" --dtypes bf16,4bit \
+    --tokens 128 --prompt-tokens 512 --rounds 3 --out "$R/fusion_micro.json"
+}
+
+stage_demo() {  # issue 3: the demo model, every default technique on
+  step demo_edits 150 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 40 --out "$R/demo_edits.json"
+  step demo_freeform 90 $BG jobs/freeform.jsonl --model "$DEMO" --max-jobs 20 --out "$R/demo_freeform.json"
+}
+
+stage_shapes() {  # issue 4: fusion alone on real shapes through batchgen bench
   for s in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b; do
     step "shape_${s}" 150 $BG --shape "$s" --model "$DEMO" --synthetic 512 --synthetic-jobs 3 --max-tokens 200 \
       --draft none --no-prompt-cache --out "$R/shape_${s}.json"
   done
-  step "shape_qwen2.5-7b-4bit" 150 $BG --shape qwen2.5-7b --model "$DEMO" --quantize 4 --synthetic 512 \
-    --synthetic-jobs 3 --max-tokens 200 --draft none --no-prompt-cache --out "$R/shape_qwen2.5-7b-4bit.json"
 }
 
 stage_pld() {  # issue 6: PLD alone (fusion and pool off)
   local alone="--no-fuse --no-prompt-cache"
-  step pld_edits 200 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 40 $alone --out "$R/pld_edits.json"
-  step pld_freeform 150 $BG jobs/freeform.jsonl --model "$DEMO" --max-jobs 30 $alone --out "$R/pld_freeform.json"
-  step pld_edits_always 150 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 20 $alone --pld-always \
+  step pld_edits 150 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 40 $alone --out "$R/pld_edits.json"
+  step pld_freeform 90 $BG jobs/freeform.jsonl --model "$DEMO" --max-jobs 20 $alone --out "$R/pld_freeform.json"
+  step pld_edits_always 90 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 16 $alone --pld-always \
     --out "$R/pld_edits_always.json"
-  for s in qwen2.5-0.5b qwen2.5-7b; do
-    step "pld_${s}" 150 $BG jobs/edits.jsonl --shape "$s" --model "$DEMO" --max-jobs 4 --max-tokens 128 \
-      $alone --out "$R/pld_${s}.json"
-  done
+  step pld_qwen2.5-7b 120 $BG jobs/edits.jsonl --shape qwen2.5-7b --model "$DEMO" --max-jobs 4 --max-tokens 128 \
+    $alone --out "$R/pld_qwen2.5-7b.json"
 }
 
 stage_pool() {  # issue 5: time to first token with the prewarmed pool against plain mlx-lm
   for f in long-system edits; do
-    step "pool_${f}" 150 $BG "jobs/$f.jsonl" --model "$DEMO" --max-jobs 12 --max-tokens 32 --draft none \
+    step "pool_${f}" 90 $BG "jobs/$f.jsonl" --model "$DEMO" --max-jobs 12 --max-tokens 32 --draft none \
       --no-fuse --out "$R/pool_${f}.json"
   done
-  for s in qwen2.5-0.5b qwen2.5-7b; do
-    step "pool_${s}" 150 $BG jobs/long-system.jsonl --shape "$s" --model "$DEMO" --max-jobs 6 --max-tokens 16 \
-      --draft none --no-fuse --out "$R/pool_${s}.json"
-  done
+  step pool_qwen2.5-7b 120 $BG jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" --max-jobs 6 \
+    --max-tokens 16 --draft none --no-fuse --out "$R/pool_qwen2.5-7b.json"
 }
 
 stage_throughput() {  # issue 8: whole-file throughput against mlx-lm's batch_generate
-  step tp_demo_edits 300 $BG jobs/edits.jsonl --model "$DEMO" --throughput 1,8,32,auto --jobs-total 256 \
+  step tp_demo_edits 150 $BG jobs/edits.jsonl --model "$DEMO" --throughput 8,32,auto --jobs-total 256 \
     --max-tokens 128 --out "$R/throughput_demo_edits.json"
-  step tp_demo_freeform 200 $BG jobs/freeform.jsonl --model "$DEMO" --throughput 8,32 --jobs-total 256 \
-    --max-tokens 128 --out "$R/throughput_demo_freeform.json"
-  step tp_0.5b 300 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 1,8,32,auto \
+  step tp_0.5b 120 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32,auto \
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b.json"
-  step tp_7b 300 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
+  step tp_7b 150 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
     --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b.json"
 }
 
