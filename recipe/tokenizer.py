@@ -15,6 +15,16 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DEFAULT_VOCAB_SIZE = 4096
+# Qwen2's pre-tokenizer split: the model is declared qwen2, and transformers >= 5 loads
+# a qwen2 model's tokenizer as Qwen2Tokenizer, which rebuilds this split (and an NFC
+# normalizer) whatever tokenizer.json says. Training with the same split makes the ids
+# identical under every transformers version; GPT-2's split (ByteLevel's own regex)
+# would be silently replaced at inference (newlines, indents and digits tokenize
+# differently) and the model would see token sequences it was never trained on.
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -26,10 +36,17 @@ def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     """A `tokenizers.Tokenizer`; special tokens get ids 0, 1, 2 in SPECIAL_TOKENS order."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
