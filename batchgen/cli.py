@@ -104,7 +104,7 @@ def main():
 @click.option("--prompt-cache-bytes", default=None, help="Pool byte budget, e.g. 4GB (default: a tenth of memory).")
 @click.option("--prompt-cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Save/load the prewarmed cache here.")
 @click.option("--prewarm-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="System prompt to prewarm when the file has none.")
-@click.option("--batch-size", default=None, help="Jobs decoding together: N, or auto (fit the KV budget); default 1 on a CPU, 32 on a GPU.")
+@click.option("--batch-size", default=None, help="Jobs decoding together: N, or auto (fit the KV budget); default 1 on a CPU, auto on a GPU.")
 @click.option("--kv-budget", default=None, help="Memory for the batch's KV cache, e.g. 20GB (default: half the free memory).")
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the run summary JSON here.")
 @click.option("--retry-failed", is_flag=True, help="On resume, run again the jobs whose earlier line is an error.")

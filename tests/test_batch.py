@@ -112,6 +112,16 @@ def test_auto_size_fits_the_budget():
     assert BatchScheduler.auto_size(10**12, per_token_bytes=10, tokens_per_job=100) == 256
 
 
+@pytest.mark.parametrize("device_default, expected", [(1, 1), ("auto", 7)])
+def test_unset_batch_size_takes_the_device_default(model_dir, monkeypatch, device_default, expected):
+    """A CPU runs one job at a time; a GPU sizes the batch to the KV budget, capped by
+    the number of jobs (7 here, far below what the budget holds for a tiny model)."""
+    from batchgen import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "default_batch_size", lambda: device_default)
+    assert engine(model_dir("qwen2"), None).resolve_batch_size(total=len(TEXTS)) == expected
+
+
 def test_resume_mid_batch(model_dir, tmp_path, monkeypatch):
     import json
 
