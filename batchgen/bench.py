@@ -53,7 +53,7 @@ class BenchConfig:
     engine: EngineConfig  # batchgen's side; `engine.model` is the path or a shape name
     jobs_path: Path | None = None
     shape: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str | None = None  # a shape's dtype (default bfloat16); for a model, cast both copies
     quantize_bits: int | None = None
     max_jobs: int | None = None
     warmup_jobs: int = 1
@@ -146,6 +146,21 @@ def random_model(shape: str, dtype: str, quantize_bits: int | None, seed: int):
     return model, config
 
 
+def bench_dtype(cfg: BenchConfig, config: dict) -> str:
+    """The dtype both sides run in: as asked, else bfloat16 for a shape, else as stored."""
+    return cfg.dtype or ("bfloat16" if cfg.shape else str(config.get("torch_dtype")))
+
+
+def weights_dtype(model) -> str:
+    """The dtype of the model's floating weights as they are (quantized: their scales)."""
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return str(value.dtype).removeprefix("mlx.core.")
+    return "none"
+
+
 def load_pair(cfg: BenchConfig):
     """(plain model, batchgen engine): two copies of the same weights."""
     from .config import DEMO_MODEL_DIR
@@ -153,12 +168,15 @@ def load_pair(cfg: BenchConfig):
     if cfg.shape:
         from mlx_lm.utils import load_tokenizer
 
-        plain, config = random_model(cfg.shape, cfg.dtype, cfg.quantize_bits, cfg.seed)
-        ours, _ = random_model(cfg.shape, cfg.dtype, cfg.quantize_bits, cfg.seed)
+        plain, config = random_model(cfg.shape, bench_dtype(cfg, {}), cfg.quantize_bits, cfg.seed)
+        ours, _ = random_model(cfg.shape, bench_dtype(cfg, {}), cfg.quantize_bits, cfg.seed)
         tokenizer = load_tokenizer(Path(cfg.tokenizer_path or DEMO_MODEL_DIR))
     else:
         plain, tokenizer, config = load_model(cfg.engine.model)
         ours, _, _ = load_model(cfg.engine.model)
+        if cfg.dtype:  # e.g. float32 on a CPU, where bf16 matmuls are slow
+            for model in (plain, ours):
+                model.set_dtype(getattr(mx, cfg.dtype))
     engine = Engine(ours, copy.copy(tokenizer), cfg.engine, config)
     engine.make_fast()
     return plain, tokenizer, engine, config
@@ -284,7 +302,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         "device": device_name(),
         "versions": versions(),
         "model": cfg.shape or e.model,
-        "dtype": cfg.dtype if cfg.shape else str(config.get("torch_dtype")),
+        "dtype": weights_dtype(engine.model),
+        "plain_dtype": weights_dtype(plain_model),
         "quantize_bits": cfg.quantize_bits if cfg.shape else (config.get("quantization") or {}).get("bits"),
         "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else f"synthetic {cfg.synthetic_prompt_tokens}-token prompts",
         "batchgen": {"fuse": e.fuse, "draft": e.decode.draft, "kv_cache": e.kv.kind, "kv_bits": e.kv.bits,
@@ -432,6 +451,6 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
-        "dtype": cfg.dtype if cfg.shape else str(config.get("torch_dtype")),
+        "dtype": bench_dtype(cfg, config),
         "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic", "rows": rows,
     }  # fmt: skip

@@ -194,7 +194,8 @@ def validate(jobs, max_tokens):
 @click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id (default: the demo model).")
 @click.option("--shape", type=click.Choice(sorted(__import__("batchgen.bench", fromlist=["SHAPES"]).SHAPES)), default=None,
               help="Random weights of a real model shape instead of --model.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True, help="For --shape.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Both sides' dtype (default: bfloat16 for --shape, as stored for a model).")
 @click.option("--quantize", "quantize_bits", type=click.Choice(["4", "8"]), default=None, help="Quantize a --shape model.")
 @click.option("--max-jobs", type=click.IntRange(min=1), default=None)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Warm-up jobs per side, not measured.")

@@ -46,6 +46,17 @@ def test_bench_plain_and_fused_greedy_outputs_agree(tmp_path, model):
     assert d["identical_outputs"] == d["jobs"] == 2 and d["divergences"] == []
 
 
+@pytest.mark.parametrize("cast, expected", [([], "float32"), (["--dtype", "bfloat16"], "bfloat16")])
+def test_bench_casts_both_sides_of_a_model(tmp_path, model, cast, expected):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(2))
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--out", str(out), "--no-png",
+                                  "--max-tokens", "3", *cast])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert d["dtype"] == d["plain_dtype"] == expected
+
+
 def test_bench_random_shape_and_throughput(tmp_path, model):
     out = tmp_path / "s.json"
     r = CliRunner().invoke(main, ["bench", "--shape", "tiny", "--model", model, "--dtype", "float32",
