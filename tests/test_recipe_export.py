@@ -409,18 +409,3 @@ def test_training_with_held_out_ends_on_the_best_measured_weights():
     assert summary["best"]["step"] == best["step"]
     assert held_out.losses(model)["edit"] == pytest.approx(best["held_out_loss"], abs=1e-4)
 
-
-def test_mlx_lm_tokenizes_exactly_as_training(tmp_path, tokenizer):
-    """The tokenizer mlx-lm loads for the exported qwen2 model (transformers picks its
-    class from config.json's model_type) must give the training tokenizer's ids: text
-    with indentation, blank lines, digits and contractions, inside a chat."""
-    model = tiny_model(tokenizer.get_vocab_size())
-    path = export(tmp_path, model, tokenizer, torch.float32)
-    _, loaded = load(str(path))
-    code = "def f(x):\n    if x:\n\n        return 12345  # it's 2\n\treturn  x\r\n  \n"
-    messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": code}]
-    text = tok.render_chat(messages)
-    assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == text
-    for sample in (code, text, CORPUS[2] * 2):
-        assert loaded.encode(sample, add_special_tokens=False) == tokenizer.encode(sample).ids
-    assert loaded.decode(tokenizer.encode(code).ids) == code
