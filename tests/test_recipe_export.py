@@ -23,18 +23,23 @@ CORPUS = [
 ]
 
 
-def tiny_model(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = ModelConfig(
+def small_config(vocab_size: int, hidden_size: int = 64, intermediate_size: int = 96,
+                 max_position_embeddings: int = 64) -> ModelConfig:  # fmt: skip
+    """2 layers, 4 query heads over 2 KV heads (GQA), the given widths."""
+    return ModelConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=96,
-        max_position_embeddings=256,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
     )
-    model = Qwen2ForCausalLM(config)
+
+
+def tiny_model(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(small_config(vocab_size, max_position_embeddings=256))
     # Wider than the training init, and non-trivial norms and biases, so that a wrong
     # layout (rope halves, GQA grouping, bias, norm) shows up in the logits.
     model.reset_parameters(std=0.2)
@@ -193,15 +198,7 @@ def test_training_learns_to_copy():
         answers.append([*body, 2])
     examples = Examples.from_pairs(prompts, answers, max_len=64)
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=32,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=64,
-    )
+    config = small_config(32, intermediate_size=128)
     model = Qwen2ForCausalLM(config)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: threads only add sync cost (and CI is shared)
@@ -340,15 +337,7 @@ def test_tracker_keeps_the_last_weights_when_asked_to():
 
 def _dropout_model(dropout: float, attention_dropout: float = 0.0) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        max_position_embeddings=64,
-    )
+    config = small_config(64, hidden_size=32, intermediate_size=48)
     return Qwen2ForCausalLM(config, dropout=dropout, attention_dropout=attention_dropout)
 
 
