@@ -346,20 +346,26 @@ class HeldOut:
         model.eval()
         loss_fn = loss_function(model, device)
         try:
-            found = {}
-            for name, batches in self.groups.items():
-                total, count = torch.zeros((), device=device), 0
-                for inputs_np, targets_np in batches:
-                    batch = device_batch(inputs_np, targets_np, device)
-                    n = len(batch[2])
-                    total += loss_fn(*batch).detach() * n
-                    count += n
-                found[name] = (total / max(1, count)).item()
-            return found
+            return {
+                name: mean_answer_loss(loss_fn, batches, device)
+                for name, batches in self.groups.items()
+            }
         finally:
             for layer, impl in zip(model.model.layers, compiled):
                 layer._compiled_call_impl = impl
             model.train(was_training)
+
+
+def mean_answer_loss(loss_fn: Callable, batches, device: torch.device) -> float:
+    """Answer-token loss over `batches` of (inputs, targets) host arrays, each batch
+    weighted by its answer tokens; one host sync at the end."""
+    total, count = torch.zeros((), device=device), 0
+    for inputs_np, targets_np in batches:
+        batch = device_batch(inputs_np, targets_np, device)
+        n = len(batch[2])
+        total += loss_fn(*batch).detach() * n
+        count += n
+    return (total / max(1, count)).item()
 
 
 def selection_loss(losses: dict[str, float], select: str | None) -> float:
@@ -768,14 +774,7 @@ def evaluate_loss(
     device = next(model.parameters()).device
     model.eval()
     loss_fn = loss_function(model, device)
-    total, count = 0.0, 0
-    batches = plan_batches(examples, batch_tokens, np.random.default_rng(0))[:max_batches]
-    for rows in batches:
-        inputs_np, targets_np = make_batch(examples, rows, pad_id)
-        batch = device_batch(inputs_np, targets_np, device)
-        n = len(batch[2])
-        loss = loss_fn(*batch)
-        total += loss.item() * n
-        count += n
+    rows = plan_batches(examples, batch_tokens, np.random.default_rng(0))[:max_batches]
+    loss = mean_answer_loss(loss_fn, (make_batch(examples, r, pad_id) for r in rows), device)
     model.train()
-    return total / max(1, count)
+    return loss
