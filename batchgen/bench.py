@@ -321,6 +321,18 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     }
 
 
+def answer_nll(model, prompt: list[int], answer: list[int], cache: list) -> float:
+    """Teacher-forced negative log-likelihood (nats) of `answer` after `prompt`: the
+    prompt prefilled at once, then the answer fed one token at a time, as decoding
+    feeds it (so a compressed cache is read as it would be while generating)."""
+    logits, total = model(mx.array([prompt]), cache=cache)[0, -1], 0.0
+    for i, token in enumerate(answer):
+        total -= (logits - mx.logsumexp(logits))[token].item()
+        if i + 1 < len(answer):
+            logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return total
+
+
 def divergences(model, prompts: list[list[int]], plain: list[Run], ours: list[Run]) -> list[dict]:
     """Where outputs first differ, and how close plain decoding's top two
     logits were there (a near tie is where rounding decides)."""

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from batchgen import turboquant as tq
+from batchgen.bench import answer_nll
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 24
 model, tok = load(str(ROOT / 'batchgen' / 'demo'))
@@ -50,15 +51,6 @@ def greedy(ids, cache, n):
             break
     return out
 
-def answer_nll(ids, ans, cache):
-    logits = model(mx.array([ids]), cache=cache)[0, -1]
-    total = 0.0
-    for i, t in enumerate(ans):
-        lp = logits - mx.logsumexp(logits)
-        total -= lp[t].item()
-        logits = model(mx.array([[t]]), cache=cache)[0, -1]
-    return total
-
 res = {k: {'prefix': [], 'identical': 0, 'bytes': [], 'nll': 0.0} for k in VARIANTS}
 ntok = 0
 t0 = time.time()
@@ -78,7 +70,7 @@ for j in jobs:
         res[k]['identical'] += same
         res[k]['prefix'].append(1.0 if same else d / max(len(ref), 1))
         res[k]['bytes'].append(sum(x.nbytes for x in c if hasattr(x, 'nbytes')))
-        res[k]['nll'] += answer_nll(ids, ans, make())
+        res[k]['nll'] += answer_nll(model, ids, ans, make())
     print('job', j['id'], {k: (r['prefix'][-1], r['bytes'][-1]) for k, r in res.items()}, round(time.time()-t0), flush=True)
 summary = {}
 for k, r in res.items():

@@ -79,3 +79,21 @@ def test_bench_random_shape_and_throughput(tmp_path, model):
 def test_bench_needs_jobs_or_synthetic():
     r = CliRunner().invoke(main, ["bench"])
     assert r.exit_code == 2 and "give a JOBS file or --synthetic N" in r.output
+
+
+def test_answer_nll_equals_one_teacher_forced_pass(model):
+    """Token by token through a cache, the same sum as from one pass over the whole sequence."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from batchgen.bench import answer_nll
+
+    net, _ = load(model)
+    prompt, answer = [5, 9, 12, 7, 3, 30], [11, 4, 4, 21]
+    logits = net(mx.array([prompt + answer]))[0]
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    start = len(prompt) - 1
+    expected = -sum(logp[start + i, t].item() for i, t in enumerate(answer))
+    got = answer_nll(net, prompt, answer, make_prompt_cache(net))
+    assert abs(got - expected) <= 1e-4 * max(1.0, abs(expected)), (got, expected)

@@ -13,6 +13,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from batchgen import turboquant as tq
+from batchgen.bench import answer_nll
 from batchgen.config import DEMO_MODEL_DIR
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
@@ -57,15 +58,6 @@ def measured():
     for row in out.values():
         row["ppl"] = float(np.exp(row["nll"] / count))
     return out
-
-
-def answer_nll(model, prompt, answer, cache) -> float:
-    """Prefill the prompt, then feed the answer one token at a time (as decoding does)."""
-    logits, total = model(mx.array([prompt]), cache=cache)[0, -1], 0.0
-    for token in answer:
-        total -= (logits - mx.logsumexp(logits))[token].item()
-        logits = model(mx.array([[token]]), cache=cache)[0, -1]
-    return total
 
 
 def test_turboquant_perplexity_within_one_percent_of_full(measured):
