@@ -146,11 +146,6 @@ def random_model(shape: str, dtype: str, quantize_bits: int | None, seed: int):
     return model, config
 
 
-def bench_dtype(cfg: BenchConfig, config: dict) -> str:
-    """The dtype both sides run in: as asked, else bfloat16 for a shape, else as stored."""
-    return cfg.dtype or ("bfloat16" if cfg.shape else str(config.get("torch_dtype")))
-
-
 def weights_dtype(model) -> str:
     """The dtype of the model's floating weights as they are (quantized: their scales)."""
     from mlx.utils import tree_flatten
@@ -168,8 +163,9 @@ def load_pair(cfg: BenchConfig):
     if cfg.shape:
         from mlx_lm.utils import load_tokenizer
 
-        plain, config = random_model(cfg.shape, bench_dtype(cfg, {}), cfg.quantize_bits, cfg.seed)
-        ours, _ = random_model(cfg.shape, bench_dtype(cfg, {}), cfg.quantize_bits, cfg.seed)
+        dtype = cfg.dtype or "bfloat16"
+        plain, config = random_model(cfg.shape, dtype, cfg.quantize_bits, cfg.seed)
+        ours, _ = random_model(cfg.shape, dtype, cfg.quantize_bits, cfg.seed)
         tokenizer = load_tokenizer(Path(cfg.tokenizer_path or DEMO_MODEL_DIR))
     else:
         plain, tokenizer, config = load_model(cfg.engine.model)
@@ -463,6 +459,6 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
-        "dtype": bench_dtype(cfg, config),
+        "dtype": weights_dtype(engine.model),
         "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic", "rows": rows,
     }  # fmt: skip
