@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .config import EngineConfig, SamplingConfig
-from .engine import Engine, load_model
+from .engine import Engine, cast_floats, load_model
 from .jobs import NATIVE, Job, iter_jobs, scan_jobs
 
 # Real model shapes, random weights: for speed figures where quality does not matter.
@@ -172,7 +172,7 @@ def load_pair(cfg: BenchConfig):
         ours, _, _ = load_model(cfg.engine.model)
         if cfg.dtype:  # e.g. float32 on a CPU, where bf16 matmuls are slow
             for model in (plain, ours):
-                model.set_dtype(getattr(mx, cfg.dtype))
+                cast_floats(model, getattr(mx, cfg.dtype))
     engine = Engine(ours, copy.copy(tokenizer), cfg.engine, config)
     engine.make_fast()
     return plain, tokenizer, engine, config
