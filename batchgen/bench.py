@@ -63,6 +63,7 @@ class BenchConfig:
     plain_kv_bits: int | None = None  # mlx-lm's own quantized KV cache on the plain side
     seed: int = 0
     tokenizer_path: Path | None = None  # for --shape models (default: the demo model's)
+    pld_policy: tuple[tuple[str, float], ...] = ()  # DraftPolicy settings to try
 
 
 @dataclass
@@ -156,6 +157,22 @@ def weights_dtype(model) -> str:
     return "none"
 
 
+def parse_policy(text: str) -> tuple[tuple[str, float], ...]:
+    """"min_plain_tokens=4,margin=1.0" -> (("min_plain_tokens", 4), ("margin", 1.0)),
+    checked against DraftPolicy's numeric settings."""
+    from .pld import DraftPolicy
+
+    counters = ("accepted", "drafted")
+    known = {k: type(v) for k, v in vars(DraftPolicy()).items() if type(v) in (int, float) and k not in counters}
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            raise ValueError(f"expected NAME=VALUE with NAME one of {sorted(known)}, got {item!r}")
+        out.append((key, known[key](value)))
+    return tuple(out)
+
+
 def load_pair(cfg: BenchConfig):
     """(plain model, batchgen engine): two copies of the same weights."""
     from .config import DEMO_MODEL_DIR
@@ -175,6 +192,8 @@ def load_pair(cfg: BenchConfig):
                 cast_floats(model, getattr(mx, cfg.dtype))
     engine = Engine(ours, copy.copy(tokenizer), cfg.engine, config)
     engine.make_fast()
+    for key, value in cfg.pld_policy:
+        setattr(engine.draft_policy, key, value)
     return plain, tokenizer, engine, config
 
 
@@ -305,7 +324,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         "batchgen": {"fuse": e.fuse, "draft": e.decode.draft, "kv_cache": e.kv.kind, "kv_bits": e.kv.bits,
                      "prompt_cache": e.prompt_cache.enabled, "prewarm": e.prompt_cache.prewarm,
                      "pld_ngram_size": e.decode.pld_ngram_size, "pld_max_lookup": e.decode.pld_max_lookup,
-                     "static_verify_shapes": engine.static_verify_shapes,
+                     "static_verify_shapes": engine.static_verify_shapes, "pld_policy": dict(cfg.pld_policy),
                      "fusion": engine.fusion_report.as_dict() if engine.fusion_report else None},  # fmt: skip
         "plain_kv_bits": cfg.plain_kv_bits,
         "sides": {"mlx-lm": ps, "batchgen": os_},

@@ -207,6 +207,7 @@ def validate(jobs, max_tokens):
 @click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True)
 @click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None)
 @click.option("--pld-always", is_flag=True, help="Verify every draft (no adaptive policy).")
+@click.option("--pld-policy", default=None, help="Draft-policy settings to try, e.g. min_plain_tokens=4,margin=1.0.")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS), default="fp16", show_default=True)
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True)
 @click.option("--plain-kv-bits", type=click.Choice(["4", "8"]), default=None, help="mlx-lm's own quantized KV cache on the plain side.")
@@ -220,12 +221,16 @@ def validate(jobs, max_tokens):
               help="Comma-separated batch sizes: whole-file throughput against mlx-lm's batch_generate.")
 @click.option("--jobs-total", type=click.IntRange(min=1), default=256, show_default=True, help="With --throughput: jobs, cycling JOBS.")
 def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
-          draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, kv_cache, kv_bits, plain_kv_bits,
-          no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total):  # fmt: skip
+          draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy, kv_cache, kv_bits,
+          plain_kv_bits, no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
     _setup_logging(quiet=True)
-    from .bench import BenchConfig, run_bench, save_results
+    from .bench import BenchConfig, parse_policy, run_bench, save_results
 
+    try:
+        policy = parse_policy(pld_policy or "")
+    except ValueError as e:
+        _fail(f"--pld-policy: {e}")
     if jobs is None and not synthetic_tokens:
         _fail("give a JOBS file or --synthetic N")
     engine = EngineConfig(
@@ -240,7 +245,7 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
         quantize_bits=int(quantize_bits) if quantize_bits else None, max_jobs=max_jobs, warmup_jobs=warmup,
         synthetic_prompt_tokens=synthetic_tokens, synthetic_jobs=synthetic_jobs, max_tokens=max_tokens,
         plain_kv_bits=int(plain_kv_bits) if plain_kv_bits else None,
-        tokenizer_path=Path(model) if (shape and model) else None,
+        tokenizer_path=Path(model) if (shape and model) else None, pld_policy=policy,
     )  # fmt: skip
     if batch_sizes:
         from .bench import run_throughput

@@ -102,6 +102,8 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
+from . import turboquant_kernels as _kernels
+
 # --------------------------------------------------------------------------------------
 # Codebooks
 # --------------------------------------------------------------------------------------
@@ -780,10 +782,6 @@ class TurboQuantKVCache(_BaseCache):
         def rotate(x, rot):
             return rot.forward(x.astype(mx.float32)).astype(dtype)
 
-        def levels(words, bits, dim):
-            table, _ = _codebook_arrays(bits)
-            return mx.take(table, unpack_codes(words, bits, dim)).astype(dtype)
-
         s = self._n_sink
         sinks = None
         if s:
@@ -791,15 +789,7 @@ class TurboQuantKVCache(_BaseCache):
                 rotate(self.sink_keys[:, :, :s], rot_k),
                 rotate(self.sink_values[:, :, :s], rot_v),
             )
-        coded = None
-        if self._n_coded:
-            kc, kn, vc, vn = self._coded()
-            coded = (
-                levels(kc, self.key_bits, self.key_dim),
-                kn.astype(mx.float32) * (1.0 / math.sqrt(self.key_dim)),
-                levels(vc, self.value_bits, self.value_dim),
-                vn.astype(mx.float32) * (1.0 / math.sqrt(self.value_dim)),
-            )
+        coded = CodedHistory(self, dtype) if self._n_coded else None
         if tail is not None:
             n = min(tail[0].shape[2], self.offset)
             tail = (
@@ -807,6 +797,59 @@ class TurboQuantKVCache(_BaseCache):
                 rotate(tail[1][:, :, -n:], rot_v),
             )
         return sinks, coded, tail
+
+
+# Use the fused CUDA kernels (turboquant_kernels) where they apply; False keeps the
+# plain-ops path everywhere (benchmarks compare the two).
+FUSED_KERNELS = True
+
+
+class CodedHistory:
+    """One layer's coded tokens (positions sink_tokens .. offset - 1) as attention
+    reads them, in the rotated domain: scores of queries against the keys, and
+    probability-weighted sums of the values. A coded vector is scale / sqrt(d) times
+    its codebook values, so the scales multiply the L_q x L scores and probabilities,
+    never an L x d array."""
+
+    def __init__(self, cache: "TurboQuantKVCache", dtype):
+        self.cache, self.dtype, self.n = cache, dtype, cache._n_coded
+        self.n_kv_heads = cache.key_codes.shape[1]
+
+    def _fused(self, rows: int, dim: int, bits: int) -> bool:
+        return FUSED_KERNELS and _kernels.available() and _kernels.supported(rows, dim, bits)
+
+    def scores(self, q: mx.array) -> mx.array:
+        """q (B, Hkv, G, L_q, d), scaled and rotated -> float32 (B, Hkv, G, L_q, n)."""
+        c, n = self.cache, self.n
+        B, H, G, L, d = q.shape
+        if self._fused(G * L, d, c.key_bits):
+            codes = c.key_codes.reshape(B * H, *c.key_codes.shape[2:])
+            scales = c.key_norms.reshape(B * H, -1)
+            table, _ = _codebook_arrays(c.key_bits)
+            s = _kernels.scores(q.reshape(B * H, G * L, d).astype(mx.float32), codes, scales, table, c.key_bits, n)
+            return s.reshape(B, H, G, L, n)
+        k = _levels(c.key_codes[:, :, :n], c.key_bits, d).astype(self.dtype)
+        s = (q @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
+        return s * (c.key_norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d)))[:, :, None, None, :]
+
+    def values(self, p: mx.array) -> mx.array:
+        """p float32 (B, Hkv, G, L_q, n) -> sum_j p_j v_j (B, Hkv, G, L_q, d_v), model dtype."""
+        c, n, d = self.cache, self.n, self.cache.value_dim
+        B, H, G, L, _ = p.shape
+        p = p * (c.value_norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d)))[:, :, None, None, :]
+        if self._fused(G * L, d, c.value_bits):
+            codes = c.value_codes.reshape(B * H, *c.value_codes.shape[2:])
+            table, _ = _codebook_arrays(c.value_bits)
+            o = _kernels.values(p.reshape(B * H, G * L, n), codes, table, c.value_bits, d)
+            return o.reshape(B, H, G, L, d).astype(self.dtype)
+        v = _levels(c.value_codes[:, :, :n], c.value_bits, d).astype(self.dtype)
+        return p.astype(self.dtype) @ v[:, :, None]
+
+
+def _levels(words: mx.array, bits: int, dim: int) -> mx.array:
+    """Packed codes -> their codebook values (float32, not yet scaled)."""
+    table, _ = _codebook_arrays(bits)
+    return mx.take(table, unpack_codes(words, bits, dim))
 
 
 _QUERY_BLOCK = 512
@@ -819,7 +862,7 @@ def _rotated_attention(q, parts, end, window, mask):
     sinks, coded, tail = parts
     B, n_q_heads, L_q, _ = q.shape
     n_sink = 0 if sinks is None else sinks[0].shape[2]
-    n_kv_heads = (sinks or coded)[0].shape[1]
+    n_kv_heads = sinks[0].shape[1] if sinks is not None else coded.n_kv_heads
     q = q.reshape(B, n_kv_heads, n_q_heads // n_kv_heads, L_q, -1)
 
     def keys_t(x):  # (B, Hkv, L, d) -> (B, Hkv, 1, d, L): shared by a group's heads
@@ -832,8 +875,7 @@ def _rotated_attention(q, parts, end, window, mask):
     if sinks is not None:
         scores.append((q @ keys_t(sinks[0])).astype(mx.float32))
     if coded is not None:
-        s = (q @ keys_t(coded[0])).astype(mx.float32)
-        scores.append(s * coded[1][:, :, None, None, :])
+        scores.append(coded.scores(q))
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     total = scores.shape[-1]
     q_pos = mx.arange(end - L_q, end)[:, None]
@@ -869,8 +911,7 @@ def _rotated_attention(q, parts, end, window, mask):
         o = p[..., :n_sink].astype(q.dtype) @ grouped(sinks[1])
         out = o if out is None else out + o
     if coded is not None:
-        pv = (p[..., n_sink:] * coded[3][:, :, None, None, :]).astype(q.dtype)
-        o = pv @ grouped(coded[2])
+        o = coded.values(p[..., n_sink:])
         out = o if out is None else out + o
     return out.reshape(B, n_q_heads, L_q, -1)
 

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Measurements on an NVIDIA H200 with MLX's CUDA backend (see ../shared/gpu/README.md).
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
-#   bash bench/h200.sh STAGE [STAGE ...]      (stages: env train eval fusion demo shapes pool pld throughput turboquant)
+#   bash bench/h200.sh STAGE [STAGE ...]
+#   (stages: env train eval fusion demo shapes pool poolprofile pld pldpolicy throughput turboquant tqkernels)
 # A session's plan (30 device-minutes, three calls): call 1 carries .gpu parts aa+ac and runs
 # `train` (torch only: the build skips its generation eval without mlx), call 2 carries part ab,
 # unpacks MLX and runs `env eval pld pool`, call 3 `throughput demo fusion` (each <= 9.5 min).
-# Every result lands under $OUT/results (logs + JSON); the trained demo model goes to
-# $DEMO (default /root/demo, kept while the machine stays warm) and to $OUT/demo.tar.
+# Every result lands under $OUT/results (logs + JSON). Stages use the shipped demo model
+# (batchgen/demo) unless DEMO says otherwise; `train` builds one into /root/demo (kept
+# while the machine stays warm, and in $OUT/demo.tar) and uses it from then on.
+# Call 2 may also carry .gpu/pysite (pytest, for tqkernels: the machine has none).
 set -u
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+export PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/pysite PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
-DEMO=${DEMO:-/root/demo}
+DEMO=${DEMO:-batchgen/demo}
 R=$OUT/results
 mkdir -p "$R"
 BG="python3 -m batchgen bench"
@@ -36,6 +39,7 @@ stage_env() {
 }
 
 stage_train() {
+  DEMO=/root/demo
   step train 540 python3 -m recipe.build --out "$DEMO" --minutes "${TRAIN_MINUTES:-5}" --eval-limit 40
   (cd "$DEMO" && tar cf "$OUT/demo.tar" .)
 }
@@ -78,6 +82,29 @@ stage_pool() {  # issue 5: time to first token with the prewarmed pool against p
   done
   step pool_qwen2.5-7b 120 $BG jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" --max-jobs 6 \
     --max-tokens 16 --draft none --no-fuse --out "$R/pool_qwen2.5-7b.json"
+}
+
+stage_poolprofile() {  # issue 5: where the first job's TTFT goes (pool fetch, tail prefill, first step)
+  for s in qwen2.5-7b qwen2.5-0.5b; do
+    step "poolprof_${s}" 120 python3 bench/pool_profile.py jobs/long-system.jsonl --shape "$s" --model "$DEMO" \
+      --jobs 4 --out "$R/poolprof_${s}.json"
+  done
+  step poolprof_7b_stock 120 python3 bench/pool_profile.py jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" \
+    --jobs 4 --stock-attention --out "$R/poolprof_7b_stock.json"
+}
+
+stage_pldpolicy() {  # issue 6: the adaptive policy's settings on edits (PLD alone)
+  local alone="--no-fuse --no-prompt-cache"
+  for p in "min_plain_tokens=4" "min_plain_tokens=4,margin=1.0,job_prior_passes=1"; do
+    step "pldpol_${p//[=,]/_}" 90 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 16 $alone --pld-policy "$p" \
+      --out "$R/pldpol_${p//[=,]/_}.json"
+  done
+}
+
+stage_tqkernels() {  # issue 7: fused TurboQuant kernels: exactness vs the ops path, then speed
+  step tqk_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_kernels.py
+  step tqk_attention 200 python3 bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 \
+    --out "$R/turboquant_attention.json"
 }
 
 stage_throughput() {  # issue 8: whole-file throughput against mlx-lm's batch_generate

@@ -97,3 +97,25 @@ def test_answer_nll_equals_one_teacher_forced_pass(model):
     expected = -sum(logp[start + i, t].item() for i, t in enumerate(answer))
     got = answer_nll(net, prompt, answer, make_prompt_cache(net))
     assert abs(got - expected) <= 1e-4 * max(1.0, abs(expected)), (got, expected)
+
+
+def test_parse_policy_reads_settings_and_rejects_the_rest():
+    from batchgen.bench import parse_policy
+
+    assert parse_policy("min_plain_tokens=4, margin=1.0") == (("min_plain_tokens", 4), ("margin", 1.0))
+    assert parse_policy("") == ()
+    for bad in ("drafted=3", "nope=1", "margin"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            parse_policy(bad)
+
+
+def test_bench_applies_the_policy_settings(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
+    out = tmp_path / "b.json"
+    args = ["bench", str(jobs), "--model", str(model), "--max-tokens", "8", "--out", str(out), "--no-png",
+            "--pld-policy", "min_plain_tokens=2,margin=1.5"]  # fmt: skip
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["batchgen"]["pld_policy"] == {"min_plain_tokens": 2, "margin": 1.5}
+    r = CliRunner().invoke(main, args[:-1] + ["margin=x"])
+    assert r.exit_code != 0 and "--pld-policy" in r.output

@@ -1,0 +1,98 @@
+"""One decode step's attention over every layer: fp16 KVCache + mx.fast sdpa against
+TurboQuant's plain-ops path and its fused kernels (random data, real head shapes).
+
+    python bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 --out r.json
+
+Each step appends one token to every layer's cache and attends with one query; the
+time is the median over `--steps` steps after a warm-up, synced per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from batchgen import turboquant as tq
+
+SHAPES = {  # layers, query heads, kv heads, head dim (Qwen2.5)
+    "0.5b": (24, 14, 2, 64),
+    "7b": (28, 28, 4, 128),
+}
+
+
+def fill(cache, n: int, kv_heads: int, dim: int, dtype) -> None:
+    for lo in range(0, n, 2048):
+        m = min(2048, n - lo)
+        k = mx.random.normal((1, kv_heads, m, dim)).astype(dtype)
+        cache.update_and_fetch(k, k * 0.5)
+        mx.eval(cache.state if isinstance(cache, KVCache) else (cache.key_codes, cache.value_codes))
+
+
+def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, dtype) -> float:
+    scale = dim**-0.5
+    times = []
+    for i in range(steps + 3):
+        q = mx.random.normal((1, heads, 1, dim)).astype(dtype)
+        k = mx.random.normal((1, kv_heads, 1, dim)).astype(dtype)
+        mx.eval(q, k)
+        start = time.perf_counter()
+        outs = []
+        for c in caches:
+            keys, values = c.update_and_fetch(k, k)
+            if kind == "fp16":
+                outs.append(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale))
+            else:
+                outs.append(c.attention(q, scale))
+        mx.eval(outs)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(shape: str, n: int, steps: int, dtype) -> dict:
+    layers, heads, kv_heads, dim = SHAPES[shape]
+    row = {"shape": shape, "context": n}
+    fp16 = [KVCache() for _ in range(layers)]
+    for c in fp16:
+        fill(c, n, kv_heads, dim, dtype)
+    row["fp16_ms"] = step_s(fp16, "fp16", heads, kv_heads, dim, steps, dtype) * 1e3
+    del fp16
+    caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
+    for c in caches:
+        c.routed = True
+        fill(c, n, kv_heads, dim, dtype)
+    for fused in (False, True):
+        tq.FUSED_KERNELS = fused
+        ms = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
+        row["tq_fused_ms" if fused else "tq_ops_ms"] = ms
+    tq.FUSED_KERNELS = True
+    row["fused_over_fp16"] = row["fp16_ms"] / row["tq_fused_ms"]  # speed ratio (>1: faster)
+    row["ops_over_fp16"] = row["fp16_ms"] / row["tq_ops_ms"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="0.5b,7b")
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    rows = []
+    for shape in a.shapes.split(","):
+        for n in (int(x) for x in a.contexts.split(",")):
+            row = measure(shape, n, a.steps, mx.bfloat16)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": str(mx.default_device()), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
