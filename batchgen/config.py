@@ -82,6 +82,9 @@ class EngineConfig:
     batch_size: int | str | None = 1  # None: the device's default; "auto": fit the KV budget
     kv_budget_bytes: int | None = None  # batch KV cache budget (None: half the free memory)
     prefill_step_size: int = 2048
+    # Pad prompt passes to a power-of-two length (then trim the pads): None = on a GPU,
+    # where every new pass shape costs a build (MLX's CUDA backend).
+    pad_prompts: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,12 @@ def _pack_layout(bits: int):
     return per_group, n_words, word, shift, straddle
 
 
+@lru_cache(maxsize=None)
+def _shifts(bits: int, start: int, stop: int) -> mx.array:
+    """Bit offsets of codes start..stop-1 in their words (made once, not per call)."""
+    return mx.array(_pack_layout(bits)[3][start:stop], dtype=mx.uint32)
+
+
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
     """Pack integer codes (..., n) in [0, 2**bits) into uint32 words (..., words)."""
     per_group, n_words, word, shift, straddle = _pack_layout(bits)
@@ -234,7 +240,7 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     if pad:
         codes = mx.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
     codes = codes.reshape(*codes.shape[:-1], -1, per_group)
-    lo = codes << mx.array(shift, dtype=mx.uint32)  # bits past 31 fall off
+    lo = codes << _shifts(bits, 0, per_group)  # bits past 31 fall off
     words = []
     for j in range(n_words):
         # Bits of different codes never overlap, so a sum is a bitwise or.
@@ -259,7 +265,7 @@ def unpack_codes(words: mx.array, bits: int, count: int) -> mx.array:
     for j in range(n_words):
         start, stop = (int(i) for i in np.searchsorted(word, [j, j + 1]))
         w = words[..., j : j + 1]
-        codes = w >> mx.array(shift[start:stop], dtype=mx.uint32)
+        codes = w >> _shifts(bits, start, stop)
         if straddle[stop - 1]:
             # The last code of this word continues in the next one.
             s = int(shift[stop - 1])

@@ -89,13 +89,13 @@ stage_poolprofile() {  # issue 5: where the first job's TTFT goes (pool fetch, t
     step "poolprof_${s}" 120 python3 bench/pool_profile.py jobs/long-system.jsonl --shape "$s" --model "$DEMO" \
       --jobs 4 --out "$R/poolprof_${s}.json"
   done
-  step poolprof_7b_stock 120 python3 bench/pool_profile.py jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" \
-    --jobs 4 --stock-attention --out "$R/poolprof_7b_stock.json"
+  step poolprof_7b_nopad 120 python3 bench/pool_profile.py jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" \
+    --jobs 4 --no-pad --out "$R/poolprof_7b_nopad.json"
 }
 
 stage_pldpolicy() {  # issue 6: the adaptive policy's settings on edits (PLD alone)
   local alone="--no-fuse --no-prompt-cache"
-  for p in "min_plain_tokens=4" "min_plain_tokens=4,margin=1.0,job_prior_passes=1"; do
+  for p in "min_plain_tokens=16" "min_plain_tokens=8"; do
     step "pldpol_${p//[=,]/_}" 90 $BG jobs/edits.jsonl --model "$DEMO" --max-jobs 16 $alone --pld-policy "$p" \
       --out "$R/pldpol_${p//[=,]/_}.json"
   done
@@ -103,8 +103,16 @@ stage_pldpolicy() {  # issue 6: the adaptive policy's settings on edits (PLD alo
 
 stage_tqkernels() {  # issue 7: fused TurboQuant kernels: exactness vs the ops path, then speed
   step tqk_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_kernels.py
+  [[ ${TQK_TEST_ONLY:-0} == 1 ]] && return
   step tqk_attention 200 python3 bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 \
     --out "$R/turboquant_attention.json"
+}
+
+stage_tpdemo() {  # issue 8 on the shipped demo model: both job files
+  for f in freeform edits; do
+    step "tp_demo_${f}" 150 $BG "jobs/$f.jsonl" --model "$DEMO" --throughput 8,32,auto --jobs-total 256 \
+      --max-tokens 128 --out "$R/throughput_demo_${f}.json"
+  done
 }
 
 stage_throughput() {  # issue 8: whole-file throughput against mlx-lm's batch_generate

@@ -5,7 +5,8 @@
 Per job (after one warm-up job): tokenizing, the pool fetch (clone + trim), the
 tail prefill, the first and second decode steps, each synced; then the same job
 cold (a fresh cache, the whole prompt prefilled). `--stock-attention` leaves
-mlx's fused attention on for the tail (no short-pass attention).
+mlx's fused attention on for the tail (no short-pass attention); `--no-pad` runs
+each pass at its own length (no power-of-two padding, no tail warm-up).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import mlx.core as mx
 from batchgen.attention import uninstall_short_attention
 from batchgen.bench import BenchConfig, bench_jobs, random_model
 from batchgen.config import DEMO_MODEL_DIR, DecodeConfig, EngineConfig
-from batchgen.engine import Engine, load_model, prefill
+from batchgen.engine import Engine, load_model
 
 
 def _ms(start: float) -> float:
@@ -50,14 +51,14 @@ def profile(engine: Engine, job) -> dict:
     mx.eval([c.state for c in cache])
     row["fetch_ms"] = _ms(start)
     start = time.perf_counter()
-    prefill(engine.model, cache, tokens[cached:-1], engine.config.prefill_step_size)
+    engine._prefill(cache, tokens[cached:-1])
     row["tail_prefill_ms"] = _ms(start)
     row["first_step_ms"], row["second_step_ms"] = first_steps(engine.model, cache, tokens[-1])
     row.update(prompt_tokens=len(tokens), cached_tokens=cached)
     row["warm_ttft_ms"] = round(row["fetch_ms"] + row["tail_prefill_ms"] + row["first_step_ms"], 2)
     cold = engine.make_cache(plan.kv)
     start = time.perf_counter()
-    prefill(engine.model, cold, tokens[:-1], engine.config.prefill_step_size)
+    engine._prefill(cold, tokens[:-1])
     row["cold_prefill_ms"] = _ms(start)
     row["cold_first_step_ms"], _ = first_steps(engine.model, cold, tokens[-1])
     row["cold_ttft_ms"] = round(row["cold_prefill_ms"] + row["cold_first_step_ms"], 2)
@@ -72,9 +73,10 @@ def main() -> None:
     ap.add_argument("--shape", default=None)
     ap.add_argument("--jobs", dest="n_jobs", type=int, default=4)
     ap.add_argument("--stock-attention", action="store_true")
+    ap.add_argument("--no-pad", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    engine_cfg = EngineConfig(model=a.model, fuse=False, decode=DecodeConfig(draft="none"))
+    engine_cfg = EngineConfig(model=a.model, fuse=False, decode=DecodeConfig(draft="none"), pad_prompts=not a.no_pad)
     if a.shape:
         from mlx_lm.utils import load_tokenizer
 
@@ -96,7 +98,8 @@ def main() -> None:
             rows.append(row)
     if a.out:
         a.out.write_text(json.dumps({"model": a.shape or a.model, "device": str(mx.default_device()),
-                                     "stock_attention": a.stock_attention, "prewarm": info, "rows": rows}, indent=1))  # fmt: skip
+                                     "stock_attention": a.stock_attention, "pad_prompts": engine.pad_prompts,
+                                     "prewarm": info, "rows": rows}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig
-from batchgen.engine import Engine
+from batchgen.engine import Engine, padded_length, prefill
 from batchgen.prompt_cache import PromptPool, common_prefix_len, prewarm_prefix
 
 from test_engine import make_job
@@ -34,10 +34,10 @@ def test_prewarm_prefix_stops_before_request_text():
     assert prewarm_prefix(render) == [1, 2, 3, 99, 90, 91]
 
 
-def engine_for(path, pool=True, prewarm=True, **pc):
+def engine_for(path, pool=True, prewarm=True, pad_prompts=False, **pc):
     cfg = EngineConfig(
         model=str(path), fuse=False, decode=DecodeConfig(draft="none"),
-        prompt_cache=PromptCacheConfig(enabled=pool, prewarm=prewarm, **pc),
+        prompt_cache=PromptCacheConfig(enabled=pool, prewarm=prewarm, **pc), pad_prompts=pad_prompts,
     )  # fmt: skip
     return Engine.load(cfg)
 
@@ -66,6 +66,49 @@ def test_pool_never_changes_results(model_dir, arch):
         assert b.text == a.text, (arch, job.id)
         assert a.usage.cached_tokens == 0
     assert with_pool.pool.slots
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "qwen3_5"])
+def test_padded_prompt_passes_change_nothing(model_dir, arch):
+    """Pads (forced on here; a GPU's default) leave texts and cached counts as
+    they are; qwen3_5's recurrent layers cannot drop pads, so it is not padded."""
+    path = model_dir(arch)
+    plain, padded = engine_for(path), engine_for(path, pad_prompts=True)
+    for e in (plain, padded):
+        e.prewarm(SYSTEM, "test")
+    for job in JOBS:
+        a, b = plain.run(job), padded.run(job)
+        assert (b.text, b.usage.cached_tokens) == (a.text, a.usage.cached_tokens), (arch, job.id)
+    expected = 0 if arch == "qwen3_5" else len({padded_length(n, 2048) for n in range(1, 513)})
+    assert padded.prewarm_info["tail_shapes_warmed"] == expected
+
+
+def test_padded_prefill_runs_power_of_two_passes_and_trims_the_pads(model_dir):
+    engine = engine_for(model_dir("llama"), pool=False)
+    lengths = []
+
+    def model(chunk, cache):
+        lengths.append(chunk.shape[1])
+        return engine.model(chunk, cache=cache)
+
+    tokens = engine.prompt_tokens(JOBS[0])[:37]
+    cache = engine.make_cache(engine.config.kv)
+    prefill(model, cache, tokens, step_size=2048, pad=True)
+    assert lengths == [64] and cache[0].offset == 37
+    reference = engine.make_cache(engine.config.kv)
+    prefill(engine.model, reference, tokens, step_size=2048)
+    for c, r in zip(cache, reference):  # every layer's entries, exactly
+        for x, y in ((c.keys, r.keys), (c.values, r.values)):
+            assert mx.array_equal(x[..., :37, :], y[..., :37, :]).item()
+    lengths.clear()
+    prefill(model, engine.make_cache(engine.config.kv), tokens, step_size=16, pad=True)
+    assert lengths == [16, 16, 16]  # 37 = 16 + 16 + 5, the last chunk padded to 16
+
+
+def test_padded_length_literals():
+    assert [padded_length(n, 2048) for n in (0, 1, 16, 17, 64, 65, 300, 1500, 2047, 2048)] == [
+        0, 16, 16, 32, 64, 128, 512, 2048, 2048, 2048]  # fmt: skip
+    assert padded_length(100, 64) == 64
 
 
 def test_exact_cached_token_counts(model_dir):
