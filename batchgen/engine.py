@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from . import pld
+from .attention import mark_cache
 from .config import DEFAULT_MAX_TOKENS, DecodeConfig, EngineConfig, KVConfig
 from .jobs import BadJob, Job
 from .prompt_cache import (
@@ -321,6 +322,8 @@ class Engine:
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
         pad = config.pad_prompts
         self.pad_prompts = mx.default_device().type == mx.gpu if pad is None else pad
+        # Padded prompt passes through mx.fast attention rather than the short-pass ops.
+        self.fused_padded_passes = True
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -389,8 +392,6 @@ class Engine:
 
         cache = make_prompt_cache(self.model)
         if self.short_attention:
-            from .attention import mark_cache
-
             mark_cache(cache)
         return cache
 
@@ -440,7 +441,12 @@ class Engine:
 
     def _prefill(self, cache: list, tokens: list[int]) -> None:
         pad = self.pad_prompts and pads_exactly(cache)
+        stock = pad and self.short_attention and self.fused_padded_passes
+        if stock:  # padded shapes repeat: the fused kernel builds each one once
+            mark_cache(cache, on=False)
         prefill(self.model, cache, tokens, self.config.prefill_step_size, pad=pad)
+        if stock:
+            mark_cache(cache)
 
     def warm_up_tails(self, cache: list, largest: int = 512) -> int:
         """Run each padded tail length up to `largest` once over a scratch copy of

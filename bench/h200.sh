@@ -93,6 +93,17 @@ stage_poolprofile() {  # issue 5: where the first job's TTFT goes (pool fetch, t
     --jobs 4 --no-pad --out "$R/poolprof_7b_nopad.json"
 }
 
+stage_padattn() {  # issue 5: padded tails through mx.fast attention vs the short-pass ops
+  for v in "" "--short-padded"; do
+    step "poolprof_7b${v//-/_}" 90 python3 bench/pool_profile.py jobs/long-system.jsonl --shape qwen2.5-7b \
+      --model "$DEMO" --jobs 4 $v --out "$R/poolprof_7b${v//-/_}.json"
+  done
+  step pool_long-system 60 $BG jobs/long-system.jsonl --model "$DEMO" --max-jobs 12 --max-tokens 32 --draft none \
+    --no-fuse --out "$R/pool_long-system.json"
+  step pool_qwen2.5-7b 90 $BG jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" --max-jobs 6 \
+    --max-tokens 16 --draft none --no-fuse --out "$R/pool_qwen2.5-7b.json"
+}
+
 stage_pldpolicy() {  # issue 6: the adaptive policy's settings on edits (PLD alone)
   local alone="--no-fuse --no-prompt-cache"
   for p in "min_plain_tokens=16" "min_plain_tokens=8"; do
