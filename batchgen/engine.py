@@ -322,8 +322,13 @@ class Engine:
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
         pad = config.pad_prompts
         self.pad_prompts = mx.default_device().type == mx.gpu if pad is None else pad
-        # Padded prompt passes through mx.fast attention rather than the short-pass ops.
-        self.fused_padded_passes = True
+        # Padded prompt passes through mx.fast attention instead of the short-pass ops.
+        # Off: that kernel builds per (queries, keys) pair, and the keys length is the
+        # cached prefix's, which varies. H200, 7B shape, 1.5k-token prefix: a padded
+        # 256-token tail took 13 ms fused once built, 20-26 ms as plain ops, but the
+        # bench's first jobs (new prefix lengths) 73-86 ms fused against 48 ms
+        # (bench/results/2026-11-29-h200-c/padattn).
+        self.fused_padded_passes = False
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
