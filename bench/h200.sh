@@ -2,7 +2,8 @@
 # Measurements on an NVIDIA H200 with MLX's CUDA backend (see ../shared/gpu/README.md).
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
-#   (stages: env train eval fusion demo shapes pool poolprofile pld pldpolicy throughput turboquant tqkernels)
+#   (stages: env train eval fusion demo shapes pool poolprofile padattn small pld pldpolicy throughput tpdemo
+#    turboquant tqkernels)
 # A session's plan (30 device-minutes, three calls): call 1 carries .gpu parts aa+ac and runs
 # `train` (torch only: the build skips its generation eval without mlx), call 2 carries part ab,
 # unpacks MLX and runs `env eval pld pool`, call 3 `throughput demo fusion` (each <= 9.5 min).
@@ -102,6 +103,13 @@ stage_padattn() {  # issue 5: padded tails through mx.fast attention vs the shor
     --no-fuse --out "$R/pool_long-system.json"
   step pool_qwen2.5-7b 90 $BG jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" --max-jobs 6 \
     --max-tokens 16 --draft none --no-fuse --out "$R/pool_qwen2.5-7b.json"
+}
+
+stage_small() {  # issues 5 and 6 on the Qwen2.5-0.5B shape
+  step pld_qwen2.5-0.5b 60 $BG jobs/edits.jsonl --shape qwen2.5-0.5b --model "$DEMO" --max-jobs 4 --max-tokens 128 \
+    --no-fuse --no-prompt-cache --out "$R/pld_qwen2.5-0.5b.json"
+  step pool_qwen2.5-0.5b 60 $BG jobs/long-system.jsonl --shape qwen2.5-0.5b --model "$DEMO" --max-jobs 6 \
+    --max-tokens 16 --draft none --no-fuse --out "$R/pool_qwen2.5-0.5b.json"
 }
 
 stage_pldpolicy() {  # issue 6: the adaptive policy's settings on edits (PLD alone)
