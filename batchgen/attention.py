@@ -30,12 +30,11 @@ _ATTR = "scaled_dot_product_attention"
 _MARK = "batchgen_short_attention"
 
 
-def mark_cache(cache: list, on: bool = True) -> list:
-    """Let the hook serve these cache layers (clones keep the mark); `on=False`
-    hands them back to the fused kernel (for passes whose shapes repeat)."""
+def mark_cache(cache: list) -> list:
+    """Let the hook serve these cache layers (clones keep the mark)."""
     for c in cache:
         if type(c) is KVCache:
-            setattr(c, _MARK, on)
+            setattr(c, _MARK, True)
     return cache
 
 

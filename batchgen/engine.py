@@ -322,13 +322,6 @@ class Engine:
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
         pad = config.pad_prompts
         self.pad_prompts = mx.default_device().type == mx.gpu if pad is None else pad
-        # Padded prompt passes through mx.fast attention instead of the short-pass ops.
-        # Off: that kernel builds per (queries, keys) pair, and the keys length is the
-        # cached prefix's, which varies. H200, 7B shape, 1.5k-token prefix: a padded
-        # 256-token tail took 13 ms fused once built, 20-26 ms as plain ops, but the
-        # bench's first jobs (new prefix lengths) 73-86 ms fused against 48 ms
-        # (bench/results/2026-11-29-h200-c/padattn).
-        self.fused_padded_passes = False
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -445,13 +438,13 @@ class Engine:
         return cache, False
 
     def _prefill(self, cache: list, tokens: list[int]) -> None:
+        # Padded passes keep the short-pass attention: mx.fast attention builds per
+        # (queries, keys) pair and the keys length is the cached prefix's, which
+        # varies. H200, 7B shape: a padded 256-token tail took 13 ms through it once
+        # built, 20-26 ms as plain ops, but the bench's first jobs 73-86 ms against
+        # 48 ms (bench/results/2026-11-29-h200-c/padattn).
         pad = self.pad_prompts and pads_exactly(cache)
-        stock = pad and self.short_attention and self.fused_padded_passes
-        if stock:  # padded shapes repeat: the fused kernel builds each one once
-            mark_cache(cache, on=False)
         prefill(self.model, cache, tokens, self.config.prefill_step_size, pad=pad)
-        if stock:
-            mark_cache(cache)
 
     def warm_up_tails(self, cache: list, largest: int = 512) -> int:
         """Run each padded tail length up to `largest` once over a scratch copy of

@@ -357,8 +357,7 @@ def dequantize_rotated(
     words: mx.array, norms: mx.array, bits: int, dim: int
 ) -> mx.array:
     """Codes -> float32 vectors in the rotated domain (R x)."""
-    levels, _ = _codebook_arrays(bits)
-    c = mx.take(levels, unpack_codes(words, bits, dim))
+    c = _levels(words, bits, dim)
     return c * (norms.astype(mx.float32)[..., None] * (1.0 / math.sqrt(dim)))
 
 

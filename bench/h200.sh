@@ -2,7 +2,7 @@
 # Measurements on an NVIDIA H200 with MLX's CUDA backend (see ../shared/gpu/README.md).
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
-#   (stages: env train eval fusion demo shapes pool poolprofile padattn small pld pldpolicy throughput tpdemo
+#   (stages: env train eval fusion demo shapes pool poolprofile small pld pldpolicy throughput tpdemo
 #    turboquant tqkernels)
 # A session's plan (30 device-minutes, three calls): call 1 carries .gpu parts aa+ac and runs
 # `train` (torch only: the build skips its generation eval without mlx), call 2 carries part ab,
@@ -94,17 +94,6 @@ stage_poolprofile() {  # issue 5: where the first job's TTFT goes (pool fetch, t
     --jobs 4 --no-pad --out "$R/poolprof_7b_nopad.json"
 }
 
-stage_padattn() {  # issue 5: padded tails through mx.fast attention vs the short-pass ops
-  for v in "" "--short-padded"; do
-    step "poolprof_7b${v//-/_}" 90 python3 bench/pool_profile.py jobs/long-system.jsonl --shape qwen2.5-7b \
-      --model "$DEMO" --jobs 4 $v --out "$R/poolprof_7b${v//-/_}.json"
-  done
-  step pool_long-system 60 $BG jobs/long-system.jsonl --model "$DEMO" --max-jobs 12 --max-tokens 32 --draft none \
-    --no-fuse --out "$R/pool_long-system.json"
-  step pool_qwen2.5-7b 90 $BG jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" --max-jobs 6 \
-    --max-tokens 16 --draft none --no-fuse --out "$R/pool_qwen2.5-7b.json"
-}
-
 stage_small() {  # issues 5 and 6 on the Qwen2.5-0.5B shape
   step pld_qwen2.5-0.5b 60 $BG jobs/edits.jsonl --shape qwen2.5-0.5b --model "$DEMO" --max-jobs 4 --max-tokens 128 \
     --no-fuse --no-prompt-cache --out "$R/pld_qwen2.5-0.5b.json"
@@ -120,7 +109,7 @@ stage_pldpolicy() {  # issue 6: the adaptive policy's settings on edits (PLD alo
   done
 }
 
-stage_tqkernels() {  # issue 7: fused TurboQuant kernels: exactness vs the ops path, then speed
+stage_tqkernels() {  # issue 7: fused TurboQuant kernels: exactness vs float64, then speed
   step tqk_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_kernels.py
   [[ ${TQK_TEST_ONLY:-0} == 1 ]] && return
   step tqk_attention 200 python3 bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 \

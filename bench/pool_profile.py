@@ -74,7 +74,6 @@ def main() -> None:
     ap.add_argument("--jobs", dest="n_jobs", type=int, default=4)
     ap.add_argument("--stock-attention", action="store_true")
     ap.add_argument("--no-pad", action="store_true")
-    ap.add_argument("--short-padded", action="store_true", help="padded passes through the short-pass ops")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     engine_cfg = EngineConfig(model=a.model, fuse=False, decode=DecodeConfig(draft="none"), pad_prompts=not a.no_pad)
@@ -89,7 +88,6 @@ def main() -> None:
     engine.make_fast()
     if a.stock_attention:
         uninstall_short_attention(engine.model)
-    engine.fused_padded_passes = not a.short_padded
     jobs, system = bench_jobs(BenchConfig(engine=engine_cfg, jobs_path=a.jobs, max_jobs=a.n_jobs), tokenizer)
     info = engine.prewarm(system, "profile") if system else {}
     rows = []
@@ -101,7 +99,6 @@ def main() -> None:
     if a.out:
         a.out.write_text(json.dumps({"model": a.shape or a.model, "device": str(mx.default_device()),
                                      "stock_attention": a.stock_attention, "pad_prompts": engine.pad_prompts,
-                                     "fused_padded_passes": engine.fused_padded_passes,
                                      "prewarm": info, "rows": rows}, indent=1))  # fmt: skip
 
 
