@@ -220,8 +220,14 @@ class TextAssembler:
 # Decoding pieces shared by the decoders
 
 
-def prefill(model: nn.Module, cache: list, tokens: list[int], step_size: int, pad: bool = False) -> None:
+def prefill(model: nn.Module, cache: list, tokens: list[int], step_size: int, pad: bool = False,
+            logits: bool = False) -> mx.array | None:  # fmt: skip
     """Run `tokens` through the model into `cache`, in chunks, as mlx-lm does.
+
+    `logits`: return the next-token logits (1, vocab) after the last token, so
+    the first generated token needs no pass of its own (mlx-lm's loop feeds the
+    prompt's last token as a separate one-token step: a whole forward pass,
+    11 ms of a 48 ms time-to-first-token on the H200 at the 7B shape).
 
     `pad`: the last chunk is padded to `padded_length` and the pads trimmed from
     the cache afterwards. Causal attention keeps the real tokens' entries exactly
@@ -229,15 +235,83 @@ def prefill(model: nn.Module, cache: list, tokens: list[int], step_size: int, pa
     each prompt length (each new shape costs ~50 ms of kernel and plan builds on
     MLX's CUDA backend, measured 2026-11-29). Only for caches that trim exactly."""
     extra = padded_length(len(tokens) % step_size, step_size) - len(tokens) % step_size if pad and tokens else 0
+    last = len(tokens) - 1
     tokens = list(tokens) + [tokens[-1]] * extra if extra else tokens
+    out = None
     with mx.stream(generation_stream):
         for start in range(0, len(tokens), step_size):
             chunk = mx.array(tokens[start : start + step_size])[None]
-            model(chunk, cache=cache)
-            mx.eval([c.state for c in cache])
+            if logits and start + step_size >= len(tokens):
+                out = logits_at(model, chunk, cache, last - start)
+                mx.eval(out, [c.state for c in cache])
+            else:
+                model(chunk, cache=cache)
+                mx.eval([c.state for c in cache])
             mx.clear_cache()
     if extra:
         trim_cache(cache, extra)
+    return out
+
+
+# mlx-lm causal LMs whose __call__ is exactly `head(backbone(inputs, cache))`:
+# a prompt pass projects only the position it samples from onto the vocabulary
+# (a 2k-token pass would otherwise compute 2k rows of logits to keep one).
+_SPLIT_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"})
+
+
+def split_head(model: nn.Module):
+    """(backbone, head) for a model of `_SPLIT_HEAD_TYPES`, else None."""
+    if getattr(getattr(model, "args", None), "model_type", None) not in _SPLIT_HEAD_TYPES:
+        return None
+    inner = getattr(model, "language_model", model)
+    if getattr(inner, "sharding_group", None) is not None:
+        return None
+    backbone = inner.model
+    head = backbone.embed_tokens.as_linear if inner.args.tie_word_embeddings else inner.lm_head
+    return backbone, head
+
+
+def logits_at(model: nn.Module, inputs: mx.array, cache: list, index: int | list[int]) -> mx.array:
+    """The model's logits (rows, vocab) at position `index` of a pass over
+    `inputs` (rows, length); a list gives each row's own position."""
+    if isinstance(index, int):
+        pick_rows = lambda x: x[:, index, :]  # noqa: E731
+    else:
+        pick_rows = lambda x: x[mx.arange(len(index)), mx.array(index)]  # noqa: E731
+    parts = split_head(model)
+    if parts is None:
+        return pick_rows(model(inputs, cache=cache))
+    backbone, head = parts
+    return head(pick_rows(backbone(inputs, cache)))
+
+
+def prefill_rows(model: nn.Module, cache: list, tails: list[list[int]], length: int, rows: int) -> mx.array:
+    """One pass over several prompts' tails into `cache` (plain KV caches of
+    `rows` rows holding the same prefix: one row per tail, spare rows after).
+    Each tail is right-padded to `length` with its last token: causal attention
+    keeps the real tokens' entries and logits exactly as in a pass of their own,
+    and the pads are cut when a row is taken out (`cache_row`). Returns each
+    row's next-token logits (rows, vocab)."""
+    inputs = [t + [t[-1]] * (length - len(t)) for t in tails]
+    inputs += [inputs[0]] * (rows - len(tails))
+    with mx.stream(generation_stream):
+        logits = logits_at(model, mx.array(inputs), cache, [len(t) - 1 for t in tails] + [0] * (rows - len(tails)))
+        mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+def cache_row(cache: list, row: int, length: int) -> list:
+    """Row `row` of a batched plain KV cache, its first `length` positions, as a
+    cache of its own (copied: it must not keep the whole batch's buffer alive)."""
+    out = []
+    for c in cache:
+        one = KVCache()
+        one.keys = mx.contiguous(c.keys[row : row + 1, :, :length, :])
+        one.values = mx.contiguous(c.values[row : row + 1, :, :length, :])
+        one.offset = length
+        out.append(one)
+    mx.eval([c.state for c in out])
+    return out
 
 
 PAD_MIN = 16
@@ -260,10 +334,10 @@ def pads_exactly(cache: list) -> bool:
     return all(type(c) is KVCache for c in cache)
 
 
-def plain_tokens(model, cache, tail: int, sampling, keys, stats: JobStats) -> Iterator[int]:
-    """Plain decoding: one forward pass per token, the next pass queued
-    (`async_eval`) before the current token is read back."""
-    t = 0
+def plain_tokens(model, cache, last: int, sampling, keys, stats: JobStats, t: int = 1) -> Iterator[int]:
+    """Plain decoding after token `last` (the cache holds everything before it;
+    `t` tokens were generated so far): one forward pass per token, the next pass
+    queued (`async_eval`) before the current token is read back."""
 
     def step(y: mx.array) -> mx.array:
         nonlocal t
@@ -274,7 +348,7 @@ def plain_tokens(model, cache, tail: int, sampling, keys, stats: JobStats) -> It
         return token
 
     with mx.stream(generation_stream):
-        y = step(mx.array([tail]))
+        y = step(mx.array([last]))
         mx.async_eval(y)
         while True:
             next_y = step(y)
@@ -315,6 +389,7 @@ class Engine:
         pc = config.prompt_cache
         self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
+        self.batch_report: dict = {}  # the last batched run's steps and prompt time
         self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
         self.short_attention = short_attention_wanted(config.short_attention)
         self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget()
@@ -437,14 +512,14 @@ class Engine:
             save_prewarm(path, cache, tokens, key)
         return cache, False
 
-    def _prefill(self, cache: list, tokens: list[int]) -> None:
+    def _prefill(self, cache: list, tokens: list[int], logits: bool = False) -> mx.array | None:
         # Padded passes keep the short-pass attention: mx.fast attention builds per
         # (queries, keys) pair and the keys length is the cached prefix's, which
         # varies. H200, 7B shape: a padded 256-token tail took 13 ms through it once
         # built, 20-26 ms as plain ops, but the bench's first jobs 73-86 ms against
         # 48 ms (bench/results/2026-11-29-h200-c/padattn).
         pad = self.pad_prompts and pads_exactly(cache)
-        prefill(self.model, cache, tokens, self.config.prefill_step_size, pad=pad)
+        return prefill(self.model, cache, tokens, self.config.prefill_step_size, pad=pad, logits=logits)
 
     def warm_up_tails(self, cache: list, largest: int = 512) -> int:
         """Run each padded tail length up to `largest` once over a scratch copy of
@@ -522,14 +597,63 @@ class Engine:
             raise JobRunError("empty_prompt", "the prompt has no tokens")
         return tokens
 
-    def start_prompt(self, tokens: list[int], plan: JobPlan) -> tuple[list, int]:
-        """A cache holding all prompt tokens but the last (which the first
-        decode step feeds), from the pool where it can; (cache, cached tokens)."""
+    def start_prompt(self, tokens: list[int], plan: JobPlan) -> tuple[list, int, mx.array]:
+        """A cache holding the prompt, from the pool where it can, and the logits
+        of the first token; (cache, cached tokens, logits (1, vocab))."""
         cache, cached = self._cache_for(tokens, plan)
-        self._prefill(cache, tokens[cached:-1])
-        if self.pool is not None and cached < len(tokens) - 1:
-            self.pool.insert(tokens[:-1], clone_cache(cache), plan.kv_kind)
-        return cache, cached
+        logits = self._prefill(cache, tokens[cached:], logits=True)
+        self._remember(tokens, cache, cached, plan)
+        return cache, cached, logits
+
+    def _remember(self, tokens: list[int], cache: list, cached: int, plan: JobPlan) -> None:
+        if self.pool is not None and cached < len(tokens):
+            self.pool.insert(tokens, clone_cache(cache), plan.kv_kind)
+
+    def start_prompts(self, prompts: list[list[int]], plan: JobPlan) -> list[tuple[list, int, mx.array]]:
+        """`start_prompt` for prompts that enter together (plain KV caches): those
+        with the same cached prefix share one pass over their tails, as rows of a
+        batch (`prefill_rows`), instead of a pass each. Same caches and logits as
+        one by one; a later prompt does not reuse an earlier one's tail here."""
+        fetched = [self._cache_for(t, plan) for t in prompts]
+        out: list = [None] * len(prompts)
+        groups: dict = {}
+        for i, (tokens, (cache, cached)) in enumerate(zip(prompts, fetched)):
+            single = not pads_exactly(cache) or len(tokens) - cached > self.config.prefill_step_size
+            groups.setdefault(("single", i) if single else (cached, tuple(tokens[:cached])), []).append(i)
+        for members in groups.values():
+            tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
+            for part in _row_groups(sorted(members, key=tails.get), tails, self.pad_prompts):
+                if len(part) == 1:
+                    i = part[0]
+                    cache, cached = fetched[i]
+                    out[i] = (cache, cached, self._prefill(cache, prompts[i][cached:], logits=True))
+                else:
+                    self._start_rows([prompts[i] for i in part], fetched[part[0]], part, out)
+        for tokens, (cache, cached, _) in zip(prompts, out):
+            self._remember(tokens, cache, cached, plan)
+        return out
+
+    def _start_rows(self, prompts: list[list[int]], prefix: tuple[list, int], index: list[int], out: list) -> None:
+        cache, cached = prefix
+        tails = [t[cached:] for t in prompts]
+        longest = max(len(t) for t in tails)
+        length, rows = longest, len(tails)
+        if self.pad_prompts:  # shapes that repeat (see `prefill`)
+            length, rows = padded_length(length, self.config.prefill_step_size), _pow2(rows)
+        group = [KVCache() for _ in cache]
+        for g, c in zip(group, cache):
+            if cached:
+                g.keys = mx.repeat(c.keys[..., :cached, :], rows, axis=0)
+                g.values = mx.repeat(c.values[..., :cached, :], rows, axis=0)
+                g.offset = cached
+        if self.short_attention:
+            mark_cache(group)
+        logits = prefill_rows(self.model, group, tails, length, rows)
+        for r, (i, tokens) in enumerate(zip(index, prompts)):
+            row = cache_row(group, r, len(tokens))
+            if self.short_attention:
+                mark_cache(row)
+            out[i] = (row, cached, logits[r : r + 1])
 
     def _run(self, job: Job) -> Result:
         timer = Timer()
@@ -537,18 +661,18 @@ class Engine:
         tokens = self.checked_tokens(job)
         plan = self.plan(job)
         stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind)
-        cache, cached = self.start_prompt(tokens, plan)
-        text = TextAssembler(self.tokenizer, job.stop, job.max_tokens)
         n_keys = job.max_tokens + plan.decode.pld_max_lookup + 2
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), n_keys)
-        stream = self._decoder(plan, cache, tokens, job, keys, stats, text)
-        first_token_s = None
-        for token in stream:
-            if first_token_s is None:
-                first_token_s = timer.elapsed_s
-            if text.add(token):
-                break
-        stream.close()
+        cache, cached, logits = self.start_prompt(tokens, plan)
+        first = first_token(logits, job.sampling, keys, stats)
+        first_token_s = timer.elapsed_s
+        text = TextAssembler(self.tokenizer, job.stop, job.max_tokens)
+        if not text.add(first):
+            stream = self._decoder(plan, cache, tokens + [first], job, keys, stats, text)
+            for token in stream:
+                if text.add(token):
+                    break
+            stream.close()
         stats.kv_bytes = cache_nbytes(cache)
         return finished_result(job, text, stats, len(tokens), cached, first_token_s, timer.elapsed_s)
 
@@ -559,18 +683,60 @@ class Engine:
                 return hit.cache, hit.cached_tokens
         return self.make_cache(plan.kv), 0
 
-    def _decoder(self, plan: JobPlan, cache, tokens, job: Job, keys, stats, text) -> Iterator[int]:
+    def _decoder(self, plan: JobPlan, cache, context, job: Job, keys, stats, text) -> Iterator[int]:
+        """Tokens after the first: `context` is the prompt plus the first token,
+        which the cache does not hold yet."""
         d = plan.decode
         if d.draft == "pld" and d.pld_max_lookup > 0:
             # Static verify shapes where a pass costs the same for 2..K+1 tokens
             # (a GPU); on a CPU a pass costs in proportion to its tokens.
             pad_to = d.pld_max_lookup + 1 if self.static_verify_shapes else None
             return pld.pld_tokens(
-                self.model, cache, tokens, job.sampling, keys, d, stats,
+                self.model, cache, context, len(context) - 1, job.sampling, keys, d, stats,
                 remaining=lambda: text.remaining, policy=self.draft_policy,
                 pad_to=pad_to, stream=generation_stream,
             )  # fmt: skip
-        return plain_tokens(self.model, cache, tokens[-1], job.sampling, keys, stats)
+        return plain_tokens(self.model, cache, context[-1], job.sampling, keys, stats)
+
+
+# Rows x padded length of one shared prompt pass (activations grow with it).
+GROUP_TOKENS = 16384
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _row_groups(members: list[int], tails: dict, pad: bool) -> list[list[int]]:
+    """Split prompts (sorted by tail length) into shared passes of at most
+    GROUP_TOKENS (rows x longest tail, both padded where passes are).
+
+    >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad=False)
+    [[0, 1], [2]]
+    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad=True)
+    [[0, 1, 2, 3]]
+    """
+    parts, part = [], []
+    for i in members:
+        rows, length = len(part) + 1, tails[i]
+        if pad:
+            rows, length = _pow2(rows), padded_length(length, 1 << 30)
+        if part and rows * length > GROUP_TOKENS:
+            parts.append(part)
+            part = []
+        part.append(i)
+    return parts + [part] if part else parts
+
+
+def pick_first(logits: mx.array, sampling, keys: mx.array | None, stats: JobStats) -> mx.array:
+    """The first generated token (lazy), from the prompt pass's last logits (keys[0])."""
+    stats.forward_passes += 1  # the prompt's last pass produced it
+    with mx.stream(generation_stream):
+        return pick(logits, sampling, None if sampling.greedy else keys[0])
+
+
+def first_token(logits: mx.array, sampling, keys: mx.array | None, stats: JobStats) -> int:
+    return pick_first(logits, sampling, keys, stats).item()
 
 
 def finished_result(job: Job, text: TextAssembler, stats: JobStats, prompt_tokens: int, cached: int,

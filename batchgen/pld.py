@@ -265,7 +265,8 @@ class PLDDecoder:
         self,
         model,
         cache: list,
-        prompt: list[int],
+        context: list[int],
+        prompt_len: int,
         sampling,
         keys: mx.array | None,
         ngram_size: int,
@@ -283,8 +284,8 @@ class PLDDecoder:
         self.pad_to = pad_to
         self.stream = stream
         # prompt + generated; the last token is not in the cache yet
-        self.index = NgramIndex(prompt, ngram_size)
-        self.prompt_len = len(prompt)
+        self.index = NgramIndex(context, ngram_size)
+        self.prompt_len = prompt_len
         self.recurrent = _split_cache(cache)
         self.shadow: _Shadow | None = None
         # This job's verify record (shadows included): tokens per pass.
@@ -555,10 +556,13 @@ def accept_sampled(logits: mx.array, draft: list[int], sampling, keys: mx.array,
     return n, samples[n]
 
 
-def pld_tokens(model, cache, prompt, sampling, keys, decode, stats, *, remaining, policy, pad_to, stream) -> Iterator[int]:
+def pld_tokens(model, cache, context, prompt_len, sampling, keys, decode, stats, *, remaining, policy, pad_to,
+               stream) -> Iterator[int]:  # fmt: skip
+    """Tokens after `context` (the prompt and what was generated after its
+    first `prompt_len` tokens; the cache holds all of it but the last token)."""
     stats.draft = "pld"
     decoder = PLDDecoder(
-        model, cache, list(prompt), sampling, keys, decode.pld_ngram_size,
+        model, cache, list(context), prompt_len, sampling, keys, decode.pld_ngram_size,
         decode.pld_max_lookup, stats, remaining, policy, pad_to, stream,
         pipeline=decode.pld_pipeline,
     )  # fmt: skip

@@ -143,3 +143,56 @@ def test_fused_engine_equals_unfused_mlx_lm(model_dir, arch):
         job = make_job(text)
         want = generate(model, tokenizer, prompt=engine.prompt_tokens(job), max_tokens=job.max_tokens)
         assert engine.run(job).text == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_at_projects_one_position_exactly(model_dir, arch, tied):
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from batchgen.engine import logits_at, split_head
+
+    model, _ = load(str(model_dir(arch, tie_word_embeddings=tied)))
+    assert split_head(model) is not None
+    inputs = mx.array([[5, 9, 17, 3, 11, 30, 7]])
+    full = model(inputs, cache=make_prompt_cache(model))
+    for index in (3, 6):
+        got = logits_at(model, inputs, make_prompt_cache(model), index)
+        assert got.shape == (1, full.shape[-1])
+        assert mx.array_equal(got, full[:, index, :]), (arch, tied, index)
+
+
+def test_logits_at_falls_back_to_the_whole_pass_for_other_models(model_dir):
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from batchgen.engine import logits_at, split_head
+
+    model, _ = load(str(model_dir("llama")))
+    model.args.model_type = "some_new_arch"  # its __call__ may do more than head(backbone(x))
+    assert split_head(model) is None
+    inputs = mx.array([[5, 9, 17, 3]])
+    want = model(inputs, cache=make_prompt_cache(model))[:, 2, :]
+    assert mx.array_equal(logits_at(model, inputs, make_prompt_cache(model), 2), want)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_prompt_pass_gives_the_first_token(model_dir, pad):
+    """The prompt's last pass yields the first token: no one-token pass of its
+    own; chunked, padded or not, the logits equal a single whole-prompt pass's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from batchgen.engine import prefill
+
+    engine = make_engine(model_dir("qwen2"))
+    tokens = engine.prompt_tokens(make_job(USER_TEXTS[0]))
+    want = engine.model(mx.array([tokens]), cache=make_prompt_cache(engine.model))[:, -1, :]
+    cache = make_prompt_cache(engine.model)
+    got = prefill(engine.model, cache, tokens, step_size=16, pad=pad, logits=True)
+    assert cache[0].offset == len(tokens)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5)  # chunked: other reduction sizes
+    one = prefill(engine.model, make_prompt_cache(engine.model), tokens, step_size=2048, pad=pad, logits=True)
+    assert mx.array_equal(one, want)
+    r = engine.run(make_job(USER_TEXTS[0], max_tokens=1))
+    assert (r.usage.completion_tokens, r.stats.forward_passes, r.finish_reason) == (1, 1, "length")
