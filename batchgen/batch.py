@@ -25,13 +25,15 @@ to the live rows, so the tail of a run does not pay for empty rows.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .engine import Engine, JobRunError, TextAssembler, failed_result, finished_result, generation_stream
+from .attention import mark_cache
+from .config import KVConfig
+from .engine import Engine, JobPlan, JobRunError, TextAssembler, failed_result, finished_result, generation_stream, pick_first
 from .jobs import BadJob, Job
 from .sampling import job_seed, make_keys, pick
 from .stats import JobStats, Result, Timer
@@ -73,7 +75,7 @@ class Row:
     stats: JobStats
     timer: Timer
     job_cache: list | None = None  # its own prefilled cache, until placed in the batch
-    pending_input: int | None = None  # the prompt's last token, fed by the next step
+    pending_input: int | None = None  # the first generated token, fed by the next step
     queued: int = 0  # steps queued for this job (the next token's index)
     live_from_step: int = 0  # this row's tokens from earlier steps were someone else's
     first_token_s: float | None = None
@@ -95,13 +97,18 @@ class BatchScheduler:
         self.model = engine.model
         self.B = batch_size
         self.budget = kv_budget_bytes
-        self.per_token = 0  # KV bytes per token, known after the first prefill
+        self.per_token = engine._kv_bytes_per_token()  # KV bytes per token
         layers = len(engine.make_cache(engine.config.kv))
         self.rows: list[Row | None] = [None] * batch_size
         self.cache = [BatchKVCache([0] * batch_size) for _ in range(layers)]
+        if engine.short_attention:  # one-query steps through `batch_decode_attention`
+            mark_cache(self.cache)
         self.step = 0
         self.exhausted = False  # the job stream has ended
         self._gather: mx.array | None = None  # row order change for the next step's inputs
+        # Where the run's time went, for benchmarks: prompt passes (and their
+        # seconds) and decode steps; `Engine.batch_report` after the run.
+        self.report = {"steps": 0, "prompt_s": 0.0, "jobs_started": 0}
         self.logged_overrides = False
 
     @staticmethod
@@ -115,17 +122,17 @@ class BatchScheduler:
 
     # -- admission ----------------------------------------------------------
 
-    def _worst_len(self, extra: Row) -> int:
-        rows = [r for r in self.rows if r is not None] + [extra]
+    def _worst_len(self, extra: list[Row]) -> int:
+        rows = [r for r in self.rows if r is not None] + extra
         return max(len(r.tokens) + r.job.max_tokens for r in rows)
 
-    def _fits(self, row: Row) -> bool:
-        if self.live == 0:
+    def _fits(self, row: Row, entering: list[Row]) -> bool:
+        if self.live == 0 and not entering:
             return True  # a job that alone exceeds the budget still runs, alone
-        return self.B * self._worst_len(row) * self.per_token <= self.budget
+        return self.B * self._worst_len(entering + [row]) * self.per_token <= self.budget
 
-    def _start(self, job: Job) -> Row:
-        """Tokenize, look up the pool, prefill all but the last prompt token."""
+    def _row(self, job: Job) -> Row:
+        """A job about to enter: tokenized, its sampling keys drawn."""
         e = self.engine
         timer = Timer()
         tokens = e.checked_tokens(job)
@@ -133,33 +140,62 @@ class BatchScheduler:
         if (plan.decode.draft == "pld" or plan.kv.kind != "fp16") and not self.logged_overrides:
             log.info("batched decoding: jobs run with plain decoding over an fp16 KV cache (PLD and TurboQuant are the batch-size-1 path)")
             self.logged_overrides = True
-        cache, cached = e.start_prompt(tokens, replace(plan, kv=replace(plan.kv, kind="fp16")))
-        if not self.per_token:
-            self.per_token = kv_bytes_per_token(cache)
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
         stats = JobStats(draft="none", kv_cache="fp16")
-        return Row(job, tokens, cached, text, keys, stats, timer, job_cache=cache)
+        return Row(job, tokens, 0, text, keys, stats, timer, queued=1)
+
+    def _start(self, rows: list[Row]) -> list[Result]:
+        """Prefill entering rows (together where they share a cached prefix) and
+        give each its first token; returns the failures (a shared pass that
+        fails is retried row by row, so a bad job fails alone)."""
+        e = self.engine
+        timer = Timer()
+        plan = JobPlan(e.config.decode, KVConfig(kind="fp16"))
+        try:
+            starts = e.start_prompts([r.tokens for r in rows], plan)
+        except Exception:
+            starts = [self._start_one(r, plan) for r in rows]
+        failed, firsts = [], []
+        for row, start in zip(rows, starts):
+            if isinstance(start, Result):
+                failed.append(start)
+                row.done = True
+                continue
+            row.job_cache, row.cached, logits = start
+            firsts.append(pick_first(logits, row.job.sampling, row.keys, row.stats))
+        values = mx.concatenate(firsts).tolist() if firsts else []
+        for row in (r for r in rows if not r.done):
+            row.done = row.text.add(values.pop(0))
+            row.first_token_s = row.timer.elapsed_s
+        self.report["prompt_s"] += timer.elapsed_s
+        self.report["jobs_started"] += len(rows)
+        return failed
+
+    def _start_one(self, row: Row, plan: JobPlan):
+        try:
+            return self.engine.start_prompt(row.tokens, plan)
+        except Exception as e:
+            return failed_result(row.job, "generation_error", f"{type(e).__name__}: {e}", row.job.metadata)
 
     def _place(self, index: int, row: Row) -> None:
         """Write the job's prompt KV into batch row `index`, ending at the
         batch's write position (all rows write there next)."""
-        n = len(row.tokens) - 1
+        n = len(row.tokens)
         if n > self.cache[0]._idx:
             self._grow_left(n - self.cache[0]._idx)
         idx = self.cache[0]._idx
         for bc, jc in zip(self.cache, row.job_cache):
-            if n:
-                k, v = jc.keys[..., :n, :], jc.values[..., :n, :]
-                if bc.keys is None:
-                    shape = (self.B, k.shape[1], idx, k.shape[3])
-                    bc.keys, bc.values = mx.zeros(shape, k.dtype), mx.zeros(shape[:3] + v.shape[3:], v.dtype)
-                bc.keys[index : index + 1, :, idx - n : idx, :] = k
-                bc.values[index : index + 1, :, idx - n : idx, :] = v
+            k, v = jc.keys[..., :n, :], jc.values[..., :n, :]
+            if bc.keys is None:
+                shape = (self.B, k.shape[1], idx, k.shape[3])
+                bc.keys, bc.values = mx.zeros(shape, k.dtype), mx.zeros(shape[:3] + v.shape[3:], v.dtype)
+            bc.keys[index : index + 1, :, idx - n : idx, :] = k
+            bc.values[index : index + 1, :, idx - n : idx, :] = v
             bc.left_padding[index] = idx - n
             bc.offset[index] = n
         row.job_cache = None
-        row.pending_input = row.tokens[-1]
+        row.pending_input = row.text.token_ids[-1]
         row.live_from_step = self.step
         self.rows[index] = row
 
@@ -205,7 +241,7 @@ class BatchScheduler:
     # -- decoding -----------------------------------------------------------
 
     def _inputs(self, prev: _Step | None) -> mx.array:
-        """Each row's next input: its last sampled token, or its prompt's last."""
+        """Each row's next input: its last sampled token, or (entering) its first."""
         inputs = mx.zeros((self.B,), mx.uint32) if prev is None else prev.tokens.astype(mx.uint32)
         if self._gather is not None and prev is not None:
             inputs = inputs[self._gather]
@@ -234,6 +270,7 @@ class BatchScheduler:
         mx.async_eval(tokens)
         step = _Step(tokens, self.step, list(self.rows))
         self.step += 1
+        self.report["steps"] += 1
         return step
 
     def _read(self, step: _Step) -> list[Result]:
@@ -243,8 +280,6 @@ class BatchScheduler:
         for i, row in enumerate(step.rows):
             if row is None or row.done or step.step < row.live_from_step:
                 continue
-            if row.first_token_s is None:
-                row.first_token_s = row.timer.elapsed_s
             if row.text.add(values[i]):
                 row.done = True
                 done.append(self._finish(row))
@@ -265,28 +300,44 @@ class BatchScheduler:
         return item
 
     def _admit(self, waiting: list, source: Iterator) -> Iterator[Result]:
-        """Fill free rows from the job stream; yields the results of jobs that
-        fail before entering (bad lines, prompts too long)."""
-        for i in range(self.B):
-            while self.rows[i] is None:
-                item = self._next_item(waiting, source)
-                if item is None:
-                    return
-                if isinstance(item, BadJob):
-                    yield failed_result(item, item.kind, item.message, item.metadata)
-                    continue
-                try:
-                    row = item if isinstance(item, Row) else self._start(item)
-                except JobRunError as e:
-                    yield failed_result(item, e.kind, str(e), item.metadata)
-                    continue
-                except Exception as e:
-                    yield failed_result(item, "generation_error", f"{type(e).__name__}: {e}", item.metadata)
-                    continue
-                if not self._fits(row):
-                    waiting.insert(0, row)  # keeps its prefill; waits for rows to free
-                    return
-                self._place(i, row)
+        """Fill free rows from the job stream, the jobs entering at one step
+        prefilled together; yields the results of jobs that fail before
+        entering (bad lines, prompts too long) or finish at their first token."""
+        while True:
+            free = [i for i, r in enumerate(self.rows) if r is None]
+            entering = yield from self._take(len(free), waiting, source)
+            if not entering:
+                return
+            yield from self._start(entering)
+            for row in entering:
+                if row.done and row.job_cache is not None:  # finished at its first token
+                    yield self._finish(row)
+                elif not row.done:
+                    self._place(free.pop(0), row)
+
+    def _take(self, n: int, waiting: list, source: Iterator):
+        """Up to n jobs that fit the memory budget beside the live rows."""
+        entering: list[Row] = []
+        while len(entering) < n:
+            item = self._next_item(waiting, source)
+            if item is None:
+                break
+            if isinstance(item, BadJob):
+                yield failed_result(item, item.kind, item.message, item.metadata)
+                continue
+            try:
+                row = item if isinstance(item, Row) else self._row(item)
+            except JobRunError as e:
+                yield failed_result(item, e.kind, str(e), item.metadata)
+                continue
+            except Exception as e:
+                yield failed_result(item, "generation_error", f"{type(e).__name__}: {e}", item.metadata)
+                continue
+            if not self._fits(row, entering):
+                waiting.insert(0, row)  # waits for rows to free
+                break
+            entering.append(row)
+        return entering
 
     def run(self, items: Iterable[Job | BadJob]) -> Iterator[Result]:
         source = iter(items)
@@ -304,3 +355,4 @@ class BatchScheduler:
                 if self.step % _COMPACT_EVERY == 0:
                     self._compact()
                 self._shrink()
+        self.engine.batch_report = dict(self.report)

@@ -463,7 +463,7 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
             "batch_size": b, "requested": size, "jobs": n,
             "mlx_lm_batch_generate": {"wall_s": p_wall, "tokens_per_s": p_tokens / p_wall, "peak_memory_gb": p_mem},
             "batchgen": {"wall_s": o_wall, "tokens_per_s": o_tokens / o_wall, "completion_tokens": o_tokens,
-                         "peak_memory_gb": o_mem},
+                         "peak_memory_gb": o_mem, **(engine.batch_report if b > 1 else {})},
             "ratio_tokens_per_s": (o_tokens / o_wall) / (p_tokens / p_wall) if p_tokens else None,
             "identical_outputs": same,
         }  # fmt: skip

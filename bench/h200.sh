@@ -3,7 +3,7 @@
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool poolprofile small pld pldpolicy throughput tpdemo
-#    turboquant tqkernels)
+#    batchkernel batchstep tp05 turboquant tqkernels)
 # A session's plan (30 device-minutes, three calls): call 1 carries .gpu parts aa+ac and runs
 # `train` (torch only: the build skips its generation eval without mlx), call 2 carries part ab,
 # unpacks MLX and runs `env eval pld pool`, call 3 `throughput demo fusion` (each <= 9.5 min).
@@ -130,6 +130,22 @@ stage_throughput() {  # issue 8: whole-file throughput against mlx-lm's batch_ge
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b.json"
   step tp_7b 150 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
     --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b.json"
+}
+
+stage_batchkernel() {  # issue 8: batch_decode_attention against float64 (CUDA-only tests)
+  step bk_test 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py
+}
+
+stage_batchstep() {  # issue 8: a batched decode step's cost by rows, cache kind and fusion
+  step batchstep 200 python3 bench/batch_step.py --shape qwen2.5-0.5b --rows 1,8,32 --context 512 \
+    --out "$R/batch_step_0.5b.json"
+  step batchstep_7b 150 python3 bench/batch_step.py --shape qwen2.5-7b --rows 1,8,32 --context 512 --fused-only \
+    --out "$R/batch_step_7b.json"
+}
+
+stage_tp05() {  # issue 8: the 0.5B shape alone, with time to finish
+  step tp_0.5b 300 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b.json"
 }
 
 stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache

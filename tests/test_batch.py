@@ -155,3 +155,65 @@ def test_resume_mid_batch(model_dir, tmp_path, monkeypatch):
     assert seq.exit_code == 0
     want = {json.loads(l)["id"]: json.loads(l)["text"] for l in (tmp_path / "seq.jsonl").read_text().splitlines()}
     assert {l["id"]: l["text"] for l in lines} == want
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_entering_jobs_share_one_prompt_pass(model_dir, monkeypatch, pad):
+    """Jobs entering together are prefilled as rows of one pass (padded: rows
+    and length to powers of two); texts and token counts as one by one."""
+    import batchgen.engine as eng
+
+    path = model_dir("qwen2")
+    seq = {r.id: r for r in engine(path, 1).run_all(jobs())}
+    passes = []
+    real = eng.prefill_rows
+
+    def spy(model, cache, tails, length, rows):
+        passes.append((rows, len(tails), length))
+        return real(model, cache, tails, length, rows)
+
+    monkeypatch.setattr(eng, "prefill_rows", spy)
+    e = engine(path, 8)
+    e.pad_prompts = pad
+    tokens = [e.prompt_tokens(j) for j in jobs()]
+    got = {r.id: r for r in e.run_all(jobs())}
+    longest = max(len(t) for t in tokens)
+    assert passes == [(8 if pad else 7, 7, eng.padded_length(longest, 2048) if pad else longest)]
+    for i, r in got.items():
+        assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
+        assert r.usage.cached_tokens == 0  # the pool was empty when they entered
+    assert e.batch_report["jobs_started"] == 7 and e.batch_report["steps"] >= max(LENGTHS) - 1
+
+
+def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypatch):
+    import batchgen.engine as eng
+    from batchgen.jobs import Job
+
+    system = "You are a helpful assistant. Answer briefly and exactly."
+    batch = [
+        Job(id=f"s{i}", line=i + 1, format=NATIVE, max_tokens=n, prompt=None, sampling=SamplingConfig(),
+            messages=({"role": "system", "content": system}, {"role": "user", "content": t}))
+        for i, (t, n) in enumerate(zip(TEXTS[:4], LENGTHS[:4]))
+    ]  # fmt: skip
+    path = model_dir("llama")
+    seq = {r.id: r for r in engine(path, 1).run_all(batch)}
+    passes = []
+    real = eng.prefill_rows
+    monkeypatch.setattr(eng, "prefill_rows", lambda m, c, tails, n, rows: passes.append(rows) or real(m, c, tails, n, rows))
+    e = engine(path, 4)
+    prefix = e.prewarm(system, "test")["tokens"]
+    got = {r.id: r for r in e.run_all(batch)}
+    assert passes == [4]
+    for i, r in got.items():
+        assert r.usage.cached_tokens == prefix > 0
+        assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
+
+
+def test_row_groups_split_by_pass_size(monkeypatch):
+    import batchgen.engine as eng
+
+    monkeypatch.setattr(eng, "GROUP_TOKENS", 1000)
+    tails = {0: 100, 1: 120, 2: 200, 3: 300, 4: 600}
+    assert eng._row_groups([0, 1, 2, 3, 4], tails, pad=False) == [[0, 1, 2], [3], [4]]
+    # padded: 3 rows count as 4 and 200 tokens as 256 (4 x 256 > 1000)
+    assert eng._row_groups([0, 1, 2, 3, 4], tails, pad=True) == [[0, 1], [2], [3], [4]]
