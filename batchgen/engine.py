@@ -26,6 +26,7 @@ from .config import DEFAULT_MAX_TOKENS, DecodeConfig, EngineConfig, KVConfig
 from .jobs import BadJob, Job
 from .prompt_cache import (
     PromptPool,
+    common_prefix_len,
     cache_nbytes,
     clone_cache,
     default_pool_bytes,
@@ -317,16 +318,40 @@ def cache_row(cache: list, row: int, length: int) -> list:
 PAD_MIN = 16
 
 
-def padded_length(n: int, step_size: int) -> int:
-    """The pass length a chunk of n tokens is padded to: the next power of two,
-    at least PAD_MIN, at most step_size (0 stays 0).
+PAD_POW2_MAX = 256  # the short-pass attention's range (attention.DEFAULT_MAX_QUERIES)
+PAD_STEP = 256
 
-    >>> [padded_length(n, 2048) for n in (0, 1, 16, 17, 300, 1500, 2047)]
-    [0, 16, 16, 32, 512, 2048, 2048]
+
+def padded_length(n: int, step_size: int) -> int:
+    """The pass length a chunk of n tokens is padded to: the next power of two
+    (at least PAD_MIN) up to PAD_POW2_MAX, then the next multiple of PAD_STEP;
+    at most step_size (0 stays 0).
+
+    Short passes are bound by per-pass overhead, so a few repeating shapes pay.
+    Longer ones are compute-bound and their attention builds per (queries, keys)
+    pair anyway (mx.fast attention: the keys length is the cached prefix's), so
+    they are padded only to a coarse step: a 1.1k-token prompt costs 1,280
+    tokens of compute, not 2,048.
+
+    >>> [padded_length(n, 2048) for n in (0, 1, 16, 17, 256, 257, 300, 1100, 2047)]
+    [0, 16, 16, 32, 256, 512, 512, 1280, 2048]
     """
     if n <= 0:
         return 0
+    if n > PAD_POW2_MAX:
+        return min(step_size, -(-n // PAD_STEP) * PAD_STEP)
     return min(step_size, max(PAD_MIN, 1 << (n - 1).bit_length()))
+
+
+def padded_rows(n: int) -> int:
+    """Rows of a shared prompt pass: powers of two up to 8, then multiples of 8.
+
+    >>> [padded_rows(n) for n in (1, 3, 8, 9, 17, 32)]
+    [1, 4, 8, 16, 24, 32]
+    """
+    if n > 8:
+        return -(-n // 8) * 8
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def pads_exactly(cache: list) -> bool:
@@ -610,17 +635,27 @@ class Engine:
             self.pool.insert(tokens, clone_cache(cache), plan.kv_kind)
 
     def start_prompts(self, prompts: list[list[int]], plan: JobPlan) -> list[tuple[list, int, mx.array]]:
-        """`start_prompt` for prompts that enter together (plain KV caches): those
-        with the same cached prefix share one pass over their tails, as rows of a
-        batch (`prefill_rows`), instead of a pass each. Same caches and logits as
-        one by one; a later prompt does not reuse an earlier one's tail here."""
-        fetched = [self._cache_for(t, plan) for t in prompts]
+        """`start_prompt` for prompts that enter together (plain KV caches):
+
+        - those with the same cached prefix share one pass over their tails, as
+          rows of a batch (`prefill_rows`), instead of a pass each;
+        - where they share more than that prefix (a few-shot block after the
+          prewarmed system prompt), the shared part is prefilled once, pooled,
+          and their tails start after it;
+        - a prompt entering twice is prefilled once: the copy takes its cache and
+          logits, all of its tokens counted as cached.
+
+        Same caches and logits as one by one (float32: exactly)."""
+        first: dict = {}
+        for i, tokens in enumerate(prompts):
+            first.setdefault(tuple(tokens), i)
+        unique = sorted(first.values())
+        fetched = {i: self._cache_for(prompts[i], plan) for i in unique}
         out: list = [None] * len(prompts)
-        groups: dict = {}
-        for i, (tokens, (cache, cached)) in enumerate(zip(prompts, fetched)):
-            single = not pads_exactly(cache) or len(tokens) - cached > self.config.prefill_step_size
-            groups.setdefault(("single", i) if single else (cached, tuple(tokens[:cached])), []).append(i)
-        for members in groups.values():
+        for members in self._prefix_groups(unique, prompts, fetched).values():
+            if len(members) > 1:
+                self._share_prefix(members, prompts, fetched, plan)
+        for members in self._prefix_groups(unique, prompts, fetched).values():
             tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
             for part in _row_groups(sorted(members, key=tails.get), tails, self.pad_prompts):
                 if len(part) == 1:
@@ -629,9 +664,39 @@ class Engine:
                     out[i] = (cache, cached, self._prefill(cache, prompts[i][cached:], logits=True))
                 else:
                     self._start_rows([prompts[i] for i in part], fetched[part[0]], part, out)
-        for tokens, (cache, cached, _) in zip(prompts, out):
-            self._remember(tokens, cache, cached, plan)
+        for i in unique:
+            self._remember(prompts[i], out[i][0], out[i][1], plan)
+        for i, tokens in enumerate(prompts):
+            j = first[tuple(tokens)]
+            if j != i:
+                out[i] = (clone_cache(out[j][0]), len(tokens), out[j][2])
         return out
+
+    def _prefix_groups(self, unique: list[int], prompts: list[list[int]], fetched: dict) -> dict:
+        """Prompts by cached prefix (those that cannot share a pass: alone)."""
+        groups: dict = {}
+        for i in unique:
+            cache, cached = fetched[i]
+            single = not pads_exactly(cache) or len(prompts[i]) - cached > self.config.prefill_step_size
+            groups.setdefault(("single", i) if single else (cached, tuple(prompts[i][:cached])), []).append(i)
+        return groups
+
+    def _share_prefix(self, members: list[int], prompts: list[list[int]], fetched: dict, plan: JobPlan) -> None:
+        """Prompts of one cached prefix that agree on their next SHARED_MIN tokens
+        or more: prefill what they share once (each keeps one token of its own)."""
+        cached = fetched[members[0]][1]
+        clusters: dict = {}
+        for i in members:
+            if len(prompts[i]) - 1 - cached >= SHARED_MIN:
+                clusters.setdefault(tuple(prompts[i][cached : cached + SHARED_MIN]), []).append(i)
+        for cluster in (c for c in clusters.values() if len(c) > 1):
+            head = prompts[cluster[0]]
+            shared = min(min(common_prefix_len(head, prompts[i]), len(prompts[i]) - 1) for i in cluster)
+            cache = fetched[cluster[0]][0]
+            self._prefill(cache, head[cached:shared])
+            self._remember(head[:shared], cache, cached, plan)
+            for i in cluster:
+                fetched[i] = (clone_cache(cache), shared)
 
     def _start_rows(self, prompts: list[list[int]], prefix: tuple[list, int], index: list[int], out: list) -> None:
         cache, cached = prefix
@@ -639,7 +704,7 @@ class Engine:
         longest = max(len(t) for t in tails)
         length, rows = longest, len(tails)
         if self.pad_prompts:  # shapes that repeat (see `prefill`)
-            length, rows = padded_length(length, self.config.prefill_step_size), _pow2(rows)
+            length, rows = padded_length(length, self.config.prefill_step_size), padded_rows(rows)
         group = [KVCache() for _ in cache]
         for g, c in zip(group, cache):
             if cached:
@@ -701,10 +766,9 @@ class Engine:
 
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
+# Tokens that prompts entering together share beyond their cached prefix, from
+# which that part gets a pass of its own first (below it, the rows repeat it).
+SHARED_MIN = 32
 
 
 def _row_groups(members: list[int], tails: dict, pad: bool) -> list[list[int]]:
@@ -720,7 +784,7 @@ def _row_groups(members: list[int], tails: dict, pad: bool) -> list[list[int]]:
     for i in members:
         rows, length = len(part) + 1, tails[i]
         if pad:
-            rows, length = _pow2(rows), padded_length(length, 1 << 30)
+            rows, length = padded_rows(rows), padded_length(length, 1 << 30)
         if part and rows * length > GROUP_TOKENS:
             parts.append(part)
             part = []

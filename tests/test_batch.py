@@ -217,3 +217,33 @@ def test_row_groups_split_by_pass_size(monkeypatch):
     assert eng._row_groups([0, 1, 2, 3, 4], tails, pad=False) == [[0, 1, 2], [3], [4]]
     # padded: 3 rows count as 4 and 200 tokens as 256 (4 x 256 > 1000)
     assert eng._row_groups([0, 1, 2, 3, 4], tails, pad=True) == [[0, 1], [2], [3], [4]]
+
+
+def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model_dir, monkeypatch):
+    """Three copies of one prompt and three prompts sharing a long block enter in
+    one round: the copies take the first one's cache (all tokens cached), the
+    block gets one pass of its own; texts as one by one."""
+    import batchgen.engine as eng
+
+    block = "Example: def add(a, b):\n    return a + b\n" * 6
+    texts = [TEXTS[0]] * 3 + [block + q for q in ("hi", "The quick brown fox", "x = 1")]
+    batch = [make_job(t, max_tokens=8, job_id=f"d{i}") for i, t in enumerate(texts)]
+    path = model_dir("qwen2")
+    seq = {r.id: r for r in engine(path, 1).run_all(batch)}
+    passes = []
+    real = eng.prefill
+
+    def spy(model, cache, tokens, step_size, pad=False, logits=False):
+        passes.append(len(tokens))
+        return real(model, cache, tokens, step_size, pad=pad, logits=logits)
+
+    monkeypatch.setattr(eng, "prefill", spy)
+    e = engine(path, 8)
+    tok = [e.prompt_tokens(j) for j in batch]
+    shared = min(eng.common_prefix_len(tok[3], t) for t in tok[4:])
+    got = {r.id: r for r in e.run_all(batch)}
+    # the block, once; the lone prompt a pass of its own; the three tails rows of one pass
+    assert passes == [shared, len(tok[0])]
+    assert [got[f"d{i}"].usage.cached_tokens for i in range(6)] == [0, len(tok[0]), len(tok[0])] + [shared] * 3
+    for i, r in got.items():
+        assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i

@@ -196,3 +196,12 @@ def test_prompt_pass_gives_the_first_token(model_dir, pad):
     assert mx.array_equal(one, want)
     r = engine.run(make_job(USER_TEXTS[0], max_tokens=1))
     assert (r.usage.completion_tokens, r.stats.forward_passes, r.finish_reason) == (1, 1, "length")
+
+
+def test_docstring_examples():
+    import doctest
+
+    import batchgen.engine
+
+    failures, tried = doctest.testmod(batchgen.engine)
+    assert tried >= 4 and failures == 0

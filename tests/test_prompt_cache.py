@@ -106,9 +106,9 @@ def test_padded_prefill_runs_power_of_two_passes_and_trims_the_pads(model_dir):
 
 
 def test_padded_length_literals():
-    assert [padded_length(n, 2048) for n in (0, 1, 16, 17, 64, 65, 300, 1500, 2047, 2048)] == [
-        0, 16, 16, 32, 64, 128, 512, 2048, 2048, 2048]  # fmt: skip
-    assert padded_length(100, 64) == 64
+    assert [padded_length(n, 2048) for n in (0, 1, 16, 17, 64, 65, 256, 257, 300, 1100, 1500, 2047, 2048)] == [
+        0, 16, 16, 32, 64, 128, 256, 512, 512, 1280, 1536, 2048, 2048]  # fmt: skip
+    assert padded_length(100, 64) == 64 and padded_length(700, 512) == 512
 
 
 def test_exact_cached_token_counts(model_dir):
