@@ -8,9 +8,14 @@ churn. On an H200 it ran 918 tok/s at batch 8 against 249 tok/s for one
 stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
 
 - the KV cache is mlx-lm's `BatchKVCache` (every model's attention already
-  understands its per-row offsets and left padding); a new job is prefilled
-  on its own (through the prompt-cache pool) and its KV is written into a
-  free row, right-aligned to the batch's write position;
+  understands its per-row offsets and left padding); on CUDA its one-query
+  steps go through `attention.batch_decode_attention`;
+- jobs are read a few batches ahead and put in prefix order, so that jobs
+  sharing a system prompt or few-shot block enter together;
+- the jobs entering at one step are prefilled together
+  (`Engine.start_prompts`: rows of one pass per cached prefix, a shared block
+  once, duplicates once), each gets its first token from that pass, and its KV
+  is written into a free row, right-aligned to the batch's write position;
 - a finished job just frees its row; the row's next steps are ignored, no
   arrays move;
 - the next step is queued before the current tokens are read back, and the
@@ -24,6 +29,7 @@ to the live rows, so the tail of a run does not pay for empty rows.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -43,6 +49,33 @@ log = logging.getLogger("batchgen")
 _GROW_STEP = 32  # left growth of the shared buffer, in positions
 _COMPACT_PAD = 32  # cut common left padding once it is this long ...
 _COMPACT_EVERY = 16  # ... looking every this many steps
+_LOOKAHEAD_ROUNDS = 4  # jobs read ahead and put in prefix order: this many batches' worth
+
+
+def prefix_key(item) -> str:
+    """A job's text in prompt order: sorting by it puts jobs that share a system
+    prompt, few-shot turns or any leading text next to each other. Bad lines
+    sort first (they only need their error line written).
+
+    >>> prefix_key(BadJob("b", 3, "native", "invalid_json", "bad"))
+    ''
+    """
+    if isinstance(item, BadJob):
+        return ""
+    messages = item.messages
+    if messages is not None:
+        return "".join(f"\x1e{m.get('role')}\x1f{m.get('content')}" for m in messages)
+    return "\x1d" + (item.prompt or "")
+
+
+def read_ahead(source: Iterator, n: int) -> list:
+    """The next n items of the job stream, sorted by `prefix_key` (stable).
+
+    Jobs sharing a prefix then enter the batch close together: they share the
+    pool's slot while it is fresh and their admission round's prompt pass.
+    Reading in chunks of n, each drained before the next is read, keeps any job
+    from waiting behind more than n - 1 others."""
+    return sorted(itertools.islice(source, n), key=prefix_key)
 
 
 def supports_batching(cache: list) -> tuple[bool, str]:
@@ -75,7 +108,7 @@ class Row:
     stats: JobStats
     timer: Timer
     job_cache: list | None = None  # its own prefilled cache, until placed in the batch
-    pending_input: int | None = None  # the first generated token, fed by the next step
+    pending_input: int | None = None  # fed by the next step: the first generated token, or the prompt's last
     queued: int = 0  # steps queued for this job (the next token's index)
     live_from_step: int = 0  # this row's tokens from earlier steps were someone else's
     first_token_s: float | None = None
@@ -101,6 +134,7 @@ class BatchScheduler:
         layers = len(engine.make_cache(engine.config.kv))
         self.rows: list[Row | None] = [None] * batch_size
         self.cache = [BatchKVCache([0] * batch_size) for _ in range(layers)]
+        self.pads = [0] * batch_size  # each row's left padding, as the caches hold it
         if engine.short_attention:  # one-query steps through `batch_decode_attention`
             mark_cache(self.cache)
         self.step = 0
@@ -110,6 +144,7 @@ class BatchScheduler:
         # seconds) and decode steps; `Engine.batch_report` after the run.
         self.report = {"steps": 0, "prompt_s": 0.0, "jobs_started": 0}
         self.logged_overrides = False
+        self.ahead: list = []  # jobs read ahead of admission, in prefix order
 
     @staticmethod
     def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256) -> int:
@@ -153,7 +188,7 @@ class BatchScheduler:
         timer = Timer()
         plan = JobPlan(e.config.decode, KVConfig(kind="fp16"))
         try:
-            starts = e.start_prompts([r.tokens for r in rows], plan)
+            starts = e.start_prompts([r.tokens for r in rows], plan, feed_last=True)
         except Exception:
             starts = [self._start_one(r, plan) for r in rows]
         failed, firsts = [], []
@@ -163,9 +198,12 @@ class BatchScheduler:
                 row.done = True
                 continue
             row.job_cache, row.cached, logits = start
-            firsts.append(pick_first(logits, row.job.sampling, row.keys, row.stats))
+            if logits is None:  # only the last prompt token is left: the next step feeds it
+                row.pending_input, row.queued = row.tokens[-1], 0
+            else:
+                firsts.append(pick_first(logits, row.job.sampling, row.keys, row.stats))
         values = mx.concatenate(firsts).tolist() if firsts else []
-        for row in (r for r in rows if not r.done):
+        for row in (r for r in rows if not r.done and r.pending_input is None):
             row.done = row.text.add(values.pop(0))
             row.first_token_s = row.timer.elapsed_s
         self.report["prompt_s"] += timer.elapsed_s
@@ -181,7 +219,7 @@ class BatchScheduler:
     def _place(self, index: int, row: Row) -> None:
         """Write the job's prompt KV into batch row `index`, ending at the
         batch's write position (all rows write there next)."""
-        n = len(row.tokens)
+        n = len(row.tokens) - (row.pending_input is not None)  # the cache lacks a token still to feed
         if n > self.cache[0]._idx:
             self._grow_left(n - self.cache[0]._idx)
         idx = self.cache[0]._idx
@@ -194,8 +232,10 @@ class BatchScheduler:
             bc.values[index : index + 1, :, idx - n : idx, :] = v
             bc.left_padding[index] = idx - n
             bc.offset[index] = n
+        self.pads[index] = idx - n
         row.job_cache = None
-        row.pending_input = row.text.token_ids[-1]
+        if row.pending_input is None:
+            row.pending_input = row.text.token_ids[-1]
         row.live_from_step = self.step
         self.rows[index] = row
 
@@ -208,14 +248,14 @@ class BatchScheduler:
                 bc.values = mx.pad(bc.values[..., : bc._idx, :], pad)
             bc._idx += grow
             bc.left_padding = bc.left_padding + grow
+        self.pads = [p + grow for p in self.pads]
 
     def _compact(self) -> None:
         """Cut the left padding that every live row has."""
         live = [i for i, r in enumerate(self.rows) if r is not None]
         if not live or self.cache[0].keys is None:
             return
-        pads = self.cache[0].left_padding.tolist()
-        cut = min(pads[i] for i in live)
+        cut = min(self.pads[i] for i in live)  # a host copy: reading the device's would drain the pipeline
         if cut < _COMPACT_PAD:
             return
         for bc in self.cache:
@@ -223,6 +263,7 @@ class BatchScheduler:
             bc.values = bc.values[..., cut : bc._idx, :]
             bc._idx -= cut
             bc.left_padding = mx.maximum(bc.left_padding - cut, 0)
+        self.pads = [max(p - cut, 0) for p in self.pads]
 
     def _shrink(self) -> None:
         """Drop empty rows once no more jobs can come to fill them."""
@@ -234,6 +275,7 @@ class BatchScheduler:
             if bc.keys is not None:
                 bc.keys, bc.values = bc.keys[index], bc.values[index]
             bc.offset, bc.left_padding = bc.offset[index], bc.left_padding[index]
+        self.pads = [self.pads[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.B = len(keep)
         self._gather = index if self._gather is None else self._gather[index]
@@ -280,6 +322,8 @@ class BatchScheduler:
         for i, row in enumerate(step.rows):
             if row is None or row.done or step.step < row.live_from_step:
                 continue
+            if row.first_token_s is None:
+                row.first_token_s = row.timer.elapsed_s
             if row.text.add(values[i]):
                 row.done = True
                 done.append(self._finish(row))
@@ -294,10 +338,12 @@ class BatchScheduler:
     def _next_item(self, waiting: list, source: Iterator):
         if waiting:
             return waiting.pop(0)
-        item = next(source, None)
-        if item is None:
+        if not self.ahead:
+            self.ahead = read_ahead(source, _LOOKAHEAD_ROUNDS * self.B)
+        if not self.ahead:
             self.exhausted = True
-        return item
+            return None
+        return self.ahead.pop(0)
 
     def _admit(self, waiting: list, source: Iterator) -> Iterator[Result]:
         """Fill free rows from the job stream, the jobs entering at one step

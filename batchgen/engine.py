@@ -634,7 +634,7 @@ class Engine:
         if self.pool is not None and cached < len(tokens):
             self.pool.insert(tokens, clone_cache(cache), plan.kv_kind)
 
-    def start_prompts(self, prompts: list[list[int]], plan: JobPlan) -> list[tuple[list, int, mx.array]]:
+    def start_prompts(self, prompts: list[list[int]], plan: JobPlan, feed_last: bool = False) -> list[tuple]:
         """`start_prompt` for prompts that enter together (plain KV caches):
 
         - those with the same cached prefix share one pass over their tails, as
@@ -643,7 +643,11 @@ class Engine:
           prewarmed system prompt), the shared part is prefilled once, pooled,
           and their tails start after it;
         - a prompt entering twice is prefilled once: the copy takes its cache and
-          logits, all of its tokens counted as cached.
+          logits, all of its tokens counted as cached;
+        - `feed_last`: a prompt whose pool hit leaves only its last token comes
+          back without a pass, logits None, its cache one token short: the
+          caller's next decode step feeds that token (a pass of its own here
+          would cost a whole forward pass for one token).
 
         Same caches and logits as one by one (float32: exactly)."""
         first: dict = {}
@@ -652,6 +656,11 @@ class Engine:
         unique = sorted(first.values())
         fetched = {i: self._cache_for(prompts[i], plan) for i in unique}
         out: list = [None] * len(prompts)
+        for i in unique:
+            cache, cached = fetched[i]
+            if feed_last and 0 < cached == len(prompts[i]) - 1:
+                out[i] = (cache, cached, None)
+        unique = [i for i in unique if out[i] is None]
         for members in self._prefix_groups(unique, prompts, fetched).values():
             if len(members) > 1:
                 self._share_prefix(members, prompts, fetched, plan)
@@ -669,7 +678,8 @@ class Engine:
         for i, tokens in enumerate(prompts):
             j = first[tuple(tokens)]
             if j != i:
-                out[i] = (clone_cache(out[j][0]), len(tokens), out[j][2])
+                fed = out[j][2] is None
+                out[i] = (clone_cache(out[j][0]), out[j][1] if fed else len(tokens), out[j][2])
         return out
 
     def _prefix_groups(self, unique: list[int], prompts: list[list[int]], fetched: dict) -> dict:

@@ -247,3 +247,78 @@ def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model
     assert [got[f"d{i}"].usage.cached_tokens for i in range(6)] == [0, len(tok[0]), len(tok[0])] + [shared] * 3
     for i, r in got.items():
         assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
+
+
+def test_a_prompt_seen_before_enters_without_a_pass(model_dir, monkeypatch):
+    """Its pool hit leaves one token: the batch's next step feeds it, no pass of its own."""
+    import batchgen.engine as eng
+
+    batch = [make_job(t, max_tokens=n, job_id=f"r{i}") for i, (t, n) in enumerate(zip(TEXTS[:2] * 2, [6, 9, 7, 5]))]
+    path = model_dir("qwen3")
+    seq = {r.id: r for r in engine(path, 1).run_all(batch)}
+    passes = []
+    real_prefill, real_rows = eng.prefill, eng.prefill_rows
+    monkeypatch.setattr(eng, "prefill", lambda *a, **k: passes.append("one") or real_prefill(*a, **k))
+    monkeypatch.setattr(eng, "prefill_rows", lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
+    e = engine(path, 2)
+    tokens = [e.prompt_tokens(j) for j in batch]
+    got = {r.id: r for r in e.run_all(batch[:2])}
+    assert passes == ["rows"]  # the first two, together
+    got.update({r.id: r for r in e.run_all(batch[2:])})
+    assert passes == ["rows"]  # the repeats: none
+    assert [got[f"r{i}"].usage.cached_tokens for i in range(4)] == [0, 0, len(tokens[2]) - 1, len(tokens[3]) - 1]
+    for i, r in got.items():
+        assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
+        assert r.stats.prefill_s > 0
+
+
+def test_host_copy_of_left_padding_follows_the_caches(model_dir, monkeypatch):
+    """Compaction reads the host's copy of each row's left padding (reading the
+    device's would drain the step pipeline): it must equal the caches' own."""
+    import batchgen.batch as batch_mod
+    from batchgen.batch import BatchScheduler
+
+    monkeypatch.setattr(batch_mod, "_COMPACT_PAD", 2)
+    monkeypatch.setattr(batch_mod, "_COMPACT_EVERY", 2)
+    path = model_dir("qwen2")
+    sched = BatchScheduler(engine(path, 3), 3, kv_budget_bytes=1 << 30)
+    checks = []
+    real_read = sched._read
+
+    def spy(step):
+        checks.append(sched.pads == sched.cache[0].left_padding.tolist())
+        return real_read(step)
+
+    sched._read = spy
+    seq = {r.id: r.text for r in engine(path, 1).run_all(jobs())}
+    assert {r.id: r.text for r in sched.run(jobs())} == seq
+    assert len(checks) > 20 and all(checks)
+
+
+def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
+    """Interleaved jobs of two system prompts: read ahead and put in prefix
+    order, each admission round holds one system prompt's jobs (one shared pass
+    each); texts as one by one."""
+    import batchgen.engine as eng
+    from batchgen.batch import prefix_key, read_ahead
+    from batchgen.jobs import Job
+
+    systems = ["You are terse.", "Answer in French, please, always."]
+    batch = [
+        Job(id=f"p{i}", line=i + 1, format=NATIVE, max_tokens=4, prompt=None, sampling=SamplingConfig(),
+            messages=({"role": "system", "content": systems[i % 2]}, {"role": "user", "content": TEXTS[i]}))
+        for i in range(6)
+    ]  # fmt: skip
+    # "Answer..." before "You...", then by the user text
+    assert [j.id for j in read_ahead(iter(batch), 4)] == ["p3", "p1", "p0", "p2"]
+    assert prefix_key(batch[1]).startswith("\x1esystem\x1fAnswer")
+    path = model_dir("qwen2")
+    seq = {r.id: r for r in engine(path, 1).run_all(batch)}
+    rounds = []
+    real = eng.prefill_rows
+    monkeypatch.setattr(eng, "prefill_rows", lambda m, c, tails, n, rows: rounds.append(len(tails)) or real(m, c, tails, n, rows))
+    e = engine(path, 3)
+    got = {r.id: r for r in e.run_all(batch)}
+    assert rounds == [3, 3]
+    for i, r in got.items():
+        assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i

@@ -198,10 +198,10 @@ def test_prompt_pass_gives_the_first_token(model_dir, pad):
     assert (r.usage.completion_tokens, r.stats.forward_passes, r.finish_reason) == (1, 1, "length")
 
 
-def test_docstring_examples():
+@pytest.mark.parametrize("module,examples", [("engine", 4), ("batch", 1)])
+def test_docstring_examples(module, examples):
     import doctest
+    import importlib
 
-    import batchgen.engine
-
-    failures, tried = doctest.testmod(batchgen.engine)
-    assert tried >= 4 and failures == 0
+    failures, tried = doctest.testmod(importlib.import_module(f"batchgen.{module}"))
+    assert tried >= examples and failures == 0
