@@ -666,7 +666,9 @@ class Engine:
                 self._share_prefix(members, prompts, fetched, plan)
         for members in self._prefix_groups(unique, prompts, fetched).values():
             tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
-            for part in _row_groups(sorted(members, key=tails.get), tails, self.pad_prompts):
+            cached = fetched[members[0]][1]
+            order = sorted(members, key=tails.get)
+            for part in _row_groups(order, tails, self.pad_prompts, cached, attention_heads(self.model)):
                 if len(part) == 1:
                     i = part[0]
                     cache, cached = fetched[i]
@@ -776,30 +778,42 @@ class Engine:
 
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
+GROUP_SCORE_BYTES = 1 << 30
 # Tokens that prompts entering together share beyond their cached prefix, from
 # which that part gets a pass of its own first (below it, the rows repeat it).
 SHARED_MIN = 32
 
 
-def _row_groups(members: list[int], tails: dict, pad: bool) -> list[list[int]]:
+def _row_groups(members: list[int], tails: dict, pad: bool, cached: int = 0, heads: int = 0) -> list[list[int]]:
     """Split prompts (sorted by tail length) into shared passes of at most
-    GROUP_TOKENS (rows x longest tail, both padded where passes are).
+    GROUP_TOKENS (rows x longest tail, both padded where passes are), whose
+    attention scores (rows x heads x tail x keys, float32: the short-pass
+    attention holds them) stay within GROUP_SCORE_BYTES.
 
     >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad=False)
     [[0, 1], [2]]
     >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad=True)
     [[0, 1, 2, 3]]
+    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad=True, cached=30000, heads=32)
+    [[0, 1], [2], [3]]
     """
     parts, part = [], []
     for i in members:
         rows, length = len(part) + 1, tails[i]
         if pad:
             rows, length = padded_rows(rows), padded_length(length, 1 << 30)
-        if part and rows * length > GROUP_TOKENS:
+        score_bytes = rows * heads * length * (cached + length) * 4
+        if part and (rows * length > GROUP_TOKENS or score_bytes > GROUP_SCORE_BYTES):
             parts.append(part)
             part = []
         part.append(i)
     return parts + [part] if part else parts
+
+
+def attention_heads(model: nn.Module) -> int:
+    """Query heads per layer (for sizing attention temporaries); 32 if unknown."""
+    args = getattr(getattr(model, "language_model", model), "args", None)
+    return getattr(args, "num_attention_heads", None) or 32
 
 
 def pick_first(logits: mx.array, sampling, keys: mx.array | None, stats: JobStats) -> mx.array:
