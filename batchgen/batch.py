@@ -13,7 +13,7 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
 - jobs are read a few batches ahead and put in prefix order, so that jobs
   sharing a system prompt or few-shot block enter together;
 - the jobs entering at one step are prefilled together
-  (`Engine.start_prompts`: rows of one pass per cached prefix, a shared block
+  (`entering.start_prompts`: rows of one pass per cached prefix, a shared block
   once, duplicates once), each gets its first token from that pass, and its KV
   is written into a free row, right-aligned to the batch's write position;
 - a finished job just frees its row; the row's next steps are ignored, no
@@ -40,6 +40,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from .attention import mark_cache
 from .config import KVConfig
 from .engine import Engine, JobPlan, JobRunError, TextAssembler, failed_result, finished_result, generation_stream, pick_first
+from .entering import start_prompts
 from .jobs import BadJob, Job
 from .sampling import job_seed, make_keys, pick
 from .stats import JobStats, Result, Timer
@@ -188,7 +189,7 @@ class BatchScheduler:
         timer = Timer()
         plan = JobPlan(e.config.decode, KVConfig(kind="fp16"))
         try:
-            starts = e.start_prompts([r.tokens for r in rows], plan, feed_last=True)
+            starts = start_prompts(e, [r.tokens for r in rows], plan, feed_last=True)
         except Exception:
             starts = [self._start_one(r, plan) for r in rows]
         failed, firsts = [], []

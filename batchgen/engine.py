@@ -26,7 +26,6 @@ from .config import DEFAULT_MAX_TOKENS, DecodeConfig, EngineConfig, KVConfig
 from .jobs import BadJob, Job
 from .prompt_cache import (
     PromptPool,
-    common_prefix_len,
     cache_nbytes,
     clone_cache,
     default_pool_bytes,
@@ -286,35 +285,6 @@ def logits_at(model: nn.Module, inputs: mx.array, cache: list, index: int | list
     return head(pick_rows(backbone(inputs, cache)))
 
 
-def prefill_rows(model: nn.Module, cache: list, tails: list[list[int]], length: int, rows: int) -> mx.array:
-    """One pass over several prompts' tails into `cache` (plain KV caches of
-    `rows` rows holding the same prefix: one row per tail, spare rows after).
-    Each tail is right-padded to `length` with its last token: causal attention
-    keeps the real tokens' entries and logits exactly as in a pass of their own,
-    and the pads are cut when a row is taken out (`cache_row`). Returns each
-    row's next-token logits (rows, vocab)."""
-    inputs = [t + [t[-1]] * (length - len(t)) for t in tails]
-    inputs += [inputs[0]] * (rows - len(tails))
-    with mx.stream(generation_stream):
-        logits = logits_at(model, mx.array(inputs), cache, [len(t) - 1 for t in tails] + [0] * (rows - len(tails)))
-        mx.eval(logits, [c.state for c in cache])
-    return logits
-
-
-def cache_row(cache: list, row: int, length: int) -> list:
-    """Row `row` of a batched plain KV cache, its first `length` positions, as a
-    cache of its own (copied: it must not keep the whole batch's buffer alive)."""
-    out = []
-    for c in cache:
-        one = KVCache()
-        one.keys = mx.contiguous(c.keys[row : row + 1, :, :length, :])
-        one.values = mx.contiguous(c.values[row : row + 1, :, :length, :])
-        one.offset = length
-        out.append(one)
-    mx.eval([c.state for c in out])
-    return out
-
-
 PAD_MIN = 16
 
 
@@ -341,17 +311,6 @@ def padded_length(n: int, step_size: int) -> int:
     if n > PAD_POW2_MAX:
         return min(step_size, -(-n // PAD_STEP) * PAD_STEP)
     return min(step_size, max(PAD_MIN, 1 << (n - 1).bit_length()))
-
-
-def padded_rows(n: int) -> int:
-    """Rows of a shared prompt pass: powers of two up to 8, then multiples of 8.
-
-    >>> [padded_rows(n) for n in (1, 3, 8, 9, 17, 32)]
-    [1, 4, 8, 16, 24, 32]
-    """
-    if n > 8:
-        return -(-n // 8) * 8
-    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def pads_exactly(cache: list) -> bool:
@@ -634,104 +593,6 @@ class Engine:
         if self.pool is not None and cached < len(tokens):
             self.pool.insert(tokens, clone_cache(cache), plan.kv_kind)
 
-    def start_prompts(self, prompts: list[list[int]], plan: JobPlan, feed_last: bool = False) -> list[tuple]:
-        """`start_prompt` for prompts that enter together (plain KV caches):
-
-        - those with the same cached prefix share one pass over their tails, as
-          rows of a batch (`prefill_rows`), instead of a pass each;
-        - where they share more than that prefix (a few-shot block after the
-          prewarmed system prompt), the shared part is prefilled once, pooled,
-          and their tails start after it;
-        - a prompt entering twice is prefilled once: the copy takes its cache and
-          logits, all of its tokens counted as cached;
-        - `feed_last`: a prompt whose pool hit leaves only its last token comes
-          back without a pass, logits None, its cache one token short: the
-          caller's next decode step feeds that token (a pass of its own here
-          would cost a whole forward pass for one token).
-
-        Same caches and logits as one by one (float32: exactly)."""
-        first: dict = {}
-        for i, tokens in enumerate(prompts):
-            first.setdefault(tuple(tokens), i)
-        unique = sorted(first.values())
-        fetched = {i: self._cache_for(prompts[i], plan) for i in unique}
-        out: list = [None] * len(prompts)
-        for i in unique:
-            cache, cached = fetched[i]
-            if feed_last and 0 < cached == len(prompts[i]) - 1:
-                out[i] = (cache, cached, None)
-        unique = [i for i in unique if out[i] is None]
-        for members in self._prefix_groups(unique, prompts, fetched).values():
-            if len(members) > 1:
-                self._share_prefix(members, prompts, fetched, plan)
-        for members in self._prefix_groups(unique, prompts, fetched).values():
-            tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
-            cached = fetched[members[0]][1]
-            order = sorted(members, key=tails.get)
-            for part in _row_groups(order, tails, self.pad_prompts, cached, attention_heads(self.model)):
-                if len(part) == 1:
-                    i = part[0]
-                    cache, cached = fetched[i]
-                    out[i] = (cache, cached, self._prefill(cache, prompts[i][cached:], logits=True))
-                else:
-                    self._start_rows([prompts[i] for i in part], fetched[part[0]], part, out)
-        for i in unique:
-            self._remember(prompts[i], out[i][0], out[i][1], plan)
-        for i, tokens in enumerate(prompts):
-            j = first[tuple(tokens)]
-            if j != i:
-                fed = out[j][2] is None
-                out[i] = (clone_cache(out[j][0]), out[j][1] if fed else len(tokens), out[j][2])
-        return out
-
-    def _prefix_groups(self, unique: list[int], prompts: list[list[int]], fetched: dict) -> dict:
-        """Prompts by cached prefix (those that cannot share a pass: alone)."""
-        groups: dict = {}
-        for i in unique:
-            cache, cached = fetched[i]
-            single = not pads_exactly(cache) or len(prompts[i]) - cached > self.config.prefill_step_size
-            groups.setdefault(("single", i) if single else (cached, tuple(prompts[i][:cached])), []).append(i)
-        return groups
-
-    def _share_prefix(self, members: list[int], prompts: list[list[int]], fetched: dict, plan: JobPlan) -> None:
-        """Prompts of one cached prefix that agree on their next SHARED_MIN tokens
-        or more: prefill what they share once (each keeps one token of its own)."""
-        cached = fetched[members[0]][1]
-        clusters: dict = {}
-        for i in members:
-            if len(prompts[i]) - 1 - cached >= SHARED_MIN:
-                clusters.setdefault(tuple(prompts[i][cached : cached + SHARED_MIN]), []).append(i)
-        for cluster in (c for c in clusters.values() if len(c) > 1):
-            head = prompts[cluster[0]]
-            shared = min(min(common_prefix_len(head, prompts[i]), len(prompts[i]) - 1) for i in cluster)
-            cache = fetched[cluster[0]][0]
-            self._prefill(cache, head[cached:shared])
-            self._remember(head[:shared], cache, cached, plan)
-            for i in cluster:
-                fetched[i] = (clone_cache(cache), shared)
-
-    def _start_rows(self, prompts: list[list[int]], prefix: tuple[list, int], index: list[int], out: list) -> None:
-        cache, cached = prefix
-        tails = [t[cached:] for t in prompts]
-        longest = max(len(t) for t in tails)
-        length, rows = longest, len(tails)
-        if self.pad_prompts:  # shapes that repeat (see `prefill`)
-            length, rows = padded_length(length, self.config.prefill_step_size), padded_rows(rows)
-        group = [KVCache() for _ in cache]
-        for g, c in zip(group, cache):
-            if cached:
-                g.keys = mx.repeat(c.keys[..., :cached, :], rows, axis=0)
-                g.values = mx.repeat(c.values[..., :cached, :], rows, axis=0)
-                g.offset = cached
-        if self.short_attention:
-            mark_cache(group)
-        logits = prefill_rows(self.model, group, tails, length, rows)
-        for r, (i, tokens) in enumerate(zip(index, prompts)):
-            row = cache_row(group, r, len(tokens))
-            if self.short_attention:
-                mark_cache(row)
-            out[i] = (row, cached, logits[r : r + 1])
-
     def _run(self, job: Job) -> Result:
         timer = Timer()
         mx.reset_peak_memory()
@@ -774,46 +635,6 @@ class Engine:
                 pad_to=pad_to, stream=generation_stream,
             )  # fmt: skip
         return plain_tokens(self.model, cache, context[-1], job.sampling, keys, stats)
-
-
-# Rows x padded length of one shared prompt pass (activations grow with it).
-GROUP_TOKENS = 16384
-GROUP_SCORE_BYTES = 1 << 30
-# Tokens that prompts entering together share beyond their cached prefix, from
-# which that part gets a pass of its own first (below it, the rows repeat it).
-SHARED_MIN = 32
-
-
-def _row_groups(members: list[int], tails: dict, pad: bool, cached: int = 0, heads: int = 0) -> list[list[int]]:
-    """Split prompts (sorted by tail length) into shared passes of at most
-    GROUP_TOKENS (rows x longest tail, both padded where passes are), whose
-    attention scores (rows x heads x tail x keys, float32: the short-pass
-    attention holds them) stay within GROUP_SCORE_BYTES.
-
-    >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad=False)
-    [[0, 1], [2]]
-    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad=True)
-    [[0, 1, 2, 3]]
-    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad=True, cached=30000, heads=32)
-    [[0, 1], [2], [3]]
-    """
-    parts, part = [], []
-    for i in members:
-        rows, length = len(part) + 1, tails[i]
-        if pad:
-            rows, length = padded_rows(rows), padded_length(length, 1 << 30)
-        score_bytes = rows * heads * length * (cached + length) * 4
-        if part and (rows * length > GROUP_TOKENS or score_bytes > GROUP_SCORE_BYTES):
-            parts.append(part)
-            part = []
-        part.append(i)
-    return parts + [part] if part else parts
-
-
-def attention_heads(model: nn.Module) -> int:
-    """Query heads per layer (for sizing attention temporaries); 32 if unknown."""
-    args = getattr(getattr(model, "language_model", model), "args", None)
-    return getattr(args, "num_attention_heads", None) or 32
 
 
 def pick_first(logits: mx.array, sampling, keys: mx.array | None, stats: JobStats) -> mx.array:

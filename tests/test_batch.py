@@ -162,17 +162,18 @@ def test_entering_jobs_share_one_prompt_pass(model_dir, monkeypatch, pad):
     """Jobs entering together are prefilled as rows of one pass (padded: rows
     and length to powers of two); texts and token counts as one by one."""
     import batchgen.engine as eng
+    import batchgen.entering as ent
 
     path = model_dir("qwen2")
     seq = {r.id: r for r in engine(path, 1).run_all(jobs())}
     passes = []
-    real = eng.prefill_rows
+    real = ent.prefill_rows
 
     def spy(model, cache, tails, length, rows):
         passes.append((rows, len(tails), length))
         return real(model, cache, tails, length, rows)
 
-    monkeypatch.setattr(eng, "prefill_rows", spy)
+    monkeypatch.setattr(ent, "prefill_rows", spy)
     e = engine(path, 8)
     e.pad_prompts = pad
     tokens = [e.prompt_tokens(j) for j in jobs()]
@@ -186,7 +187,7 @@ def test_entering_jobs_share_one_prompt_pass(model_dir, monkeypatch, pad):
 
 
 def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypatch):
-    import batchgen.engine as eng
+    import batchgen.entering as ent
     from batchgen.jobs import Job
 
     system = "You are a helpful assistant. Answer briefly and exactly."
@@ -198,8 +199,8 @@ def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypa
     path = model_dir("llama")
     seq = {r.id: r for r in engine(path, 1).run_all(batch)}
     passes = []
-    real = eng.prefill_rows
-    monkeypatch.setattr(eng, "prefill_rows", lambda m, c, tails, n, rows: passes.append(rows) or real(m, c, tails, n, rows))
+    real = ent.prefill_rows
+    monkeypatch.setattr(ent, "prefill_rows", lambda m, c, tails, n, rows: passes.append(rows) or real(m, c, tails, n, rows))
     e = engine(path, 4)
     prefix = e.prewarm(system, "test")["tokens"]
     got = {r.id: r for r in e.run_all(batch)}
@@ -210,13 +211,13 @@ def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypa
 
 
 def test_row_groups_split_by_pass_size(monkeypatch):
-    import batchgen.engine as eng
+    import batchgen.entering as ent
 
-    monkeypatch.setattr(eng, "GROUP_TOKENS", 1000)
+    monkeypatch.setattr(ent, "GROUP_TOKENS", 1000)
     tails = {0: 100, 1: 120, 2: 200, 3: 300, 4: 600}
-    assert eng._row_groups([0, 1, 2, 3, 4], tails, pad=False) == [[0, 1, 2], [3], [4]]
+    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad=False) == [[0, 1, 2], [3], [4]]
     # padded: 3 rows count as 4 and 200 tokens as 256 (4 x 256 > 1000)
-    assert eng._row_groups([0, 1, 2, 3, 4], tails, pad=True) == [[0, 1], [2], [3], [4]]
+    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad=True) == [[0, 1], [2], [3], [4]]
 
 
 def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model_dir, monkeypatch):
@@ -224,6 +225,7 @@ def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model
     one round: the copies take the first one's cache (all tokens cached), the
     block gets one pass of its own; texts as one by one."""
     import batchgen.engine as eng
+    import batchgen.entering as ent
 
     block = "Example: def add(a, b):\n    return a + b\n" * 6
     texts = [TEXTS[0]] * 3 + [block + q for q in ("hi", "The quick brown fox", "x = 1")]
@@ -240,7 +242,7 @@ def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model
     monkeypatch.setattr(eng, "prefill", spy)
     e = engine(path, 8)
     tok = [e.prompt_tokens(j) for j in batch]
-    shared = min(eng.common_prefix_len(tok[3], t) for t in tok[4:])
+    shared = min(ent.common_prefix_len(tok[3], t) for t in tok[4:])
     got = {r.id: r for r in e.run_all(batch)}
     # the block, once; the lone prompt a pass of its own; the three tails rows of one pass
     assert passes == [shared, len(tok[0])]
@@ -252,14 +254,15 @@ def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model
 def test_a_prompt_seen_before_enters_without_a_pass(model_dir, monkeypatch):
     """Its pool hit leaves one token: the batch's next step feeds it, no pass of its own."""
     import batchgen.engine as eng
+    import batchgen.entering as ent
 
     batch = [make_job(t, max_tokens=n, job_id=f"r{i}") for i, (t, n) in enumerate(zip(TEXTS[:2] * 2, [6, 9, 7, 5]))]
     path = model_dir("qwen3")
     seq = {r.id: r for r in engine(path, 1).run_all(batch)}
     passes = []
-    real_prefill, real_rows = eng.prefill, eng.prefill_rows
+    real_prefill, real_rows = eng.prefill, ent.prefill_rows
     monkeypatch.setattr(eng, "prefill", lambda *a, **k: passes.append("one") or real_prefill(*a, **k))
-    monkeypatch.setattr(eng, "prefill_rows", lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
+    monkeypatch.setattr(ent, "prefill_rows", lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
     e = engine(path, 2)
     tokens = [e.prompt_tokens(j) for j in batch]
     got = {r.id: r for r in e.run_all(batch[:2])}
@@ -299,7 +302,7 @@ def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
     """Interleaved jobs of two system prompts: read ahead and put in prefix
     order, each admission round holds one system prompt's jobs (one shared pass
     each); texts as one by one."""
-    import batchgen.engine as eng
+    import batchgen.entering as ent
     from batchgen.batch import prefix_key, read_ahead
     from batchgen.jobs import Job
 
@@ -315,8 +318,8 @@ def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
     path = model_dir("qwen2")
     seq = {r.id: r for r in engine(path, 1).run_all(batch)}
     rounds = []
-    real = eng.prefill_rows
-    monkeypatch.setattr(eng, "prefill_rows", lambda m, c, tails, n, rows: rounds.append(len(tails)) or real(m, c, tails, n, rows))
+    real = ent.prefill_rows
+    monkeypatch.setattr(ent, "prefill_rows", lambda m, c, tails, n, rows: rounds.append(len(tails)) or real(m, c, tails, n, rows))
     e = engine(path, 3)
     got = {r.id: r for r in e.run_all(batch)}
     assert rounds == [3, 3]
