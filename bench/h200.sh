@@ -2,11 +2,12 @@
 # Measurements on an NVIDIA H200 with MLX's CUDA backend (see ../shared/gpu/README.md).
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
-#   (stages: env train eval fusion demo shapes pool poolprofile small pld pldpolicy throughput tpdemo
-#    batchkernel batchstep tp05 turboquant tqkernels)
-# A session's plan (30 device-minutes, three calls): call 1 carries .gpu parts aa+ac and runs
-# `train` (torch only: the build skips its generation eval without mlx), call 2 carries part ab,
-# unpacks MLX and runs `env eval pld pool`, call 3 `throughput demo fusion` (each <= 9.5 min).
+#   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
+#    tpdemo batchkernel batchstep tp05 turboquant tqkernels)
+# Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
+# carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
+# unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
+# the PYTHONPATH export). `train` needs torch only (the build skips its eval without mlx).
 # Every result lands under $OUT/results (logs + JSON). Stages use the shipped demo model
 # (batchgen/demo) unless DEMO says otherwise; `train` builds one into /root/demo (kept
 # while the machine stays warm, and in $OUT/demo.tar) and uses it from then on.
@@ -83,6 +84,13 @@ stage_pool() {  # issue 5: time to first token with the prewarmed pool against p
   done
   step pool_qwen2.5-7b 120 $BG jobs/long-system.jsonl --shape qwen2.5-7b --model "$DEMO" --max-jobs 6 \
     --max-tokens 16 --draft none --no-fuse --out "$R/pool_qwen2.5-7b.json"
+}
+
+stage_pooledits() {  # issue 5: the short-system-prompt file on the shapes
+  for s in qwen2.5-0.5b qwen2.5-7b; do
+    step "pool_edits_${s}" 90 $BG jobs/edits.jsonl --shape "$s" --model "$DEMO" --max-jobs 6 --max-tokens 16 \
+      --draft none --no-fuse --out "$R/pool_edits_${s}.json"
+  done
 }
 
 stage_poolprofile() {  # issue 5: where the first job's TTFT goes (pool fetch, tail prefill, first step)
