@@ -402,4 +402,4 @@ class BatchScheduler:
                 if self.step % _COMPACT_EVERY == 0:
                     self._compact()
                 self._shrink()
-        self.engine.batch_report = dict(self.report)
+        self.engine.batch_report.update(self.report)

@@ -373,7 +373,7 @@ class Engine:
         pc = config.prompt_cache
         self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
-        self.batch_report: dict = {}  # the last batched run's steps and prompt time
+        self.batch_report: dict = {}  # the last run's rows (and, batched, its steps and prompt time)
         self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
         self.short_attention = short_attention_wanted(config.short_attention)
         self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget()
@@ -529,12 +529,14 @@ class Engine:
         """Results in completion order (sequential: job order). `total`, the
         number of jobs coming, caps the batch size."""
         rows = self.resolve_batch_size(total)
+        self.batch_report = {"rows": 1}
         if rows > 1:
             from .batch import BatchScheduler, supports_batching
 
             ok, why = supports_batching(self.make_cache(KVConfig()))
             if ok:
                 log.info(f"batched decoding: up to {rows} jobs per step")
+                self.batch_report = {"rows": rows}
                 yield from BatchScheduler(self, rows, self.kv_budget_bytes).run(items)
                 return
             log.info(f"batched decoding off: {why}; jobs run one at a time")

@@ -103,6 +103,7 @@ def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool) -> Outcome:
         if bar is not None:
             bar.close()
     summary.wall_s = wall.elapsed_s
+    summary.batch = {k: round(v, 4) if isinstance(v, float) else v for k, v in engine.batch_report.items()}
     if summary.interrupted:
         code = EXIT_INTERRUPTED
     else:

@@ -103,6 +103,7 @@ class RunSummary:
     pld_ngram_size: int = 0
     pld_max_lookup: int = 0
     interrupted: bool = False
+    batch: dict = field(default_factory=lambda: {"rows": 1})  # rows; batched: steps, prompt_s
 
     def add(self, r: Result) -> None:
         if not r.ok:
@@ -137,6 +138,7 @@ class RunSummary:
             "load_s": round(self.load_s, 3),
             "decode_tps": round(self.decode_tps, 2),
             "jobs_per_s": round(self.ok / self.wall_s, 3) if self.wall_s > 0 else 0.0,
+            "throughput_tps": round(self.completion_tokens / self.wall_s, 2) if self.wall_s > 0 else 0.0,
             "cache_hit_ratio": (
                 round(self.cached_tokens / self.prompt_tokens, 4)
                 if self.prompt_tokens
@@ -152,6 +154,7 @@ class RunSummary:
             "pld_ngram_size": self.pld_ngram_size,
             "pld_max_lookup": self.pld_max_lookup,
             "kv_cache": self.kv_cache,
+            "batch": self.batch,
             "interrupted": self.interrupted,
         }
 
@@ -165,9 +168,11 @@ class RunSummary:
             f"tokens: {t['prompt']} prompt ({t['cached']} cached, cache_hit_ratio={d['cache_hit_ratio']}), "
             f"{t['completion']} completion",
             f"time: wall {d['wall_s']}s, load {d['load_s']}s, prewarm {d['prewarm']['tokens']} tokens "
-            f"in {d['prewarm']['seconds']}s; decode {d['decode_tps']} tok/s, {d['jobs_per_s']} jobs/s",
+            f"in {d['prewarm']['seconds']}s; decode {d['decode_tps']} tok/s per job, "
+            f"{d['throughput_tps']} tok/s overall, {d['jobs_per_s']} jobs/s",
             f"memory: peak {d['peak_memory_gb']} GB, model {d['model_memory_gb']} GB; device {d['device']}",
             f"techniques: draft={d['draft']} pld_ngram_size={d['pld_ngram_size']} "
             f"pld_max_lookup={d['pld_max_lookup']} kv_cache={d['kv_cache']} "
-            f"fusion qkv={f.get('qkv', 0)} gate_up={f.get('gate_up', 0)} experts={f.get('experts', 0)}",
+            f"fusion qkv={f.get('qkv', 0)} gate_up={f.get('gate_up', 0)} experts={f.get('experts', 0)} "
+            f"batch rows={d['batch'].get('rows', 1)}",
         ]

@@ -285,3 +285,17 @@ def test_turboquant_run_keeps_its_cache_where_the_device_would_batch(tmp_path, m
         assert r.exit_code == 0, r.stderr
         assert {l["stats"]["kv_cache"] for l in read_lines(out)} == {kind}
         assert ("batched decoding: up to 2 jobs per step" in r.stderr) == bool(extra)
+
+
+def test_summary_reports_the_batch_and_overall_throughput(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(4))
+    for extra, rows in (((), 1), (("--batch-size", "2"), 2)):
+        summary = tmp_path / f"s{rows}.json"
+        r = invoke("run", str(jobs), "--model", model, "-o", str(tmp_path / f"o{rows}.jsonl"), "--summary", str(summary),
+                   "--no-fuse", *extra)  # fmt: skip
+        assert r.exit_code == 0, r.stderr
+        s = json.loads(summary.read_text())
+        assert s["batch"]["rows"] == rows and f"batch rows={rows}" in r.stderr
+        if rows > 1:  # 4 jobs of 6 tokens on 2 rows: the first tokens come from prompt passes
+            assert s["batch"]["jobs_started"] == 4 and 10 <= s["batch"]["steps"] <= 12 and s["batch"]["prompt_s"] > 0
+        assert s["throughput_tps"] == pytest.approx(s["tokens"]["completion"] / s["wall_s"], rel=0.01)
