@@ -62,6 +62,19 @@ def test_seeded_samples_are_the_same_in_a_batch(model_dir):
     assert bat == seq
 
 
+def test_seeded_samples_of_repeated_prompts_are_the_same_in_a_batch(model_dir):
+    """Repeats enter fed by the step (first token from keys[0] there, not from a
+    prompt pass) or as duplicates of one round: the same samples as alone."""
+    path = model_dir("qwen2")
+    batch = [make_job(TEXTS[i % 2], max_tokens=8, job_id=f"s{i}", sampling=SamplingConfig(temperature=0.9, seed=i))
+             for i in range(6)]  # fmt: skip
+    seq = {r.id: r.text for r in engine(path, 1).run_all(batch)}
+    e = engine(path, 2)
+    got = {r.id: r for r in e.run_all(batch)}
+    assert {i: r.text for i, r in got.items()} == seq
+    assert any(r.usage.cached_tokens == r.usage.prompt_tokens - 1 for r in got.values())  # some were fed
+
+
 def test_failing_job_fails_alone(model_dir):
     path = model_dir("qwen2", max_position_embeddings=40)
     items = jobs()
