@@ -108,7 +108,9 @@ class Side:
             "decode_tps": decode_tokens / decode_s if decode_s else 0.0,
             "prefill_tps": prefilled / ttft if ttft else 0.0,
             "ttft_s_mean": ttft / len(r) if r else 0.0,
+            "prefill_s_total": ttft,  # every job's time to its first token
             "first_job_ttft_s": r[0].ttft_s if r else 0.0,
+            "first_job_cache_hit_ratio": r[0].cached_tokens / r[0].prompt_tokens if r and r[0].prompt_tokens else 0.0,
             "wall_s": sum(x.wall_s for x in r),
             "peak_memory_gb": max((x.peak_memory_gb for x in r), default=0.0),
             "forward_passes_per_token": sum(x.forward_passes for x in r) / tokens if tokens else 0.0,

@@ -30,6 +30,12 @@ def test_bench_writes_both_sides_and_ratios(tmp_path, model):
             assert side[key] > 0, key
     assert set(d["ratio_batchgen_over_plain"]) >= {"decode_tps", "prefill_tps", "wall_s", "ttft_s_mean"}
     assert len(d["per_job"]["mlx-lm"]) == len(d["per_job"]["batchgen"]) == 3
+    for name, side in d["sides"].items():
+        jobs_ = d["per_job"][name]
+        assert side["prefill_s_total"] == pytest.approx(sum(j["ttft_s"] for j in jobs_))
+        assert side["first_job_cache_hit_ratio"] == jobs_[0]["cached_tokens"] / jobs_[0]["prompt_tokens"]
+    # the pool with the header's system prompt prewarmed: the first job starts cached
+    assert d["sides"]["batchgen"]["first_job_cache_hit_ratio"] > 0 == d["sides"]["mlx-lm"]["first_job_cache_hit_ratio"]
     assert 0 <= d["identical_outputs"] <= 3 and isinstance(d["divergences"], list)
     assert d["device"] and d["versions"]["mlx"] and d["batchgen"]["draft"] == "pld"
     assert "decode tok/s: mlx-lm" in r.stdout
