@@ -33,6 +33,8 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .turboquant_kernels import available as _cuda  # CUDA present, the default device a GPU
+
 DEFAULT_MAX_QUERIES = 256
 _ATTR = "scaled_dot_product_attention"
 _MARK = "batchgen_short_attention"
@@ -193,11 +195,6 @@ _DECODE_SOURCE = """
     out[(size_t)bh * D + d] = tot > 0.0f ? o / tot : 0.0f;
   }
 """
-
-
-def _cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda and cuda.is_available() and mx.default_device() == mx.gpu)
 
 
 def batch_decode_supported(queries, cache) -> bool:
