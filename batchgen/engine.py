@@ -286,8 +286,6 @@ def logits_at(model: nn.Module, inputs: mx.array, cache: list, index: int | list
 
 
 PAD_MIN = 16
-
-
 PAD_POW2_MAX = 256  # the short-pass attention's range (attention.DEFAULT_MAX_QUERIES)
 PAD_STEP = 256
 

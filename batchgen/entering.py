@@ -33,24 +33,31 @@ GROUP_SCORE_BYTES = 1 << 30
 SHARED_MIN = 32
 
 
-def _row_groups(members: list[int], tails: dict, pad: bool, cached: int = 0, heads: int = 0) -> list[list[int]]:
+def pass_shape(rows: int, length: int, pad_step: int | None) -> tuple[int, int]:
+    """(rows, length) of a shared pass over `rows` tails of at most `length`
+    tokens: padded (`padded_rows`, `padded_length` up to `pad_step`) where
+    prompt passes are padded, as they are (pad_step None: not padded)."""
+    if pad_step is None:
+        return rows, length
+    return padded_rows(rows), padded_length(length, pad_step)
+
+
+def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: int = 0, heads: int = 0) -> list[list[int]]:
     """Split prompts (sorted by tail length) into shared passes of at most
     GROUP_TOKENS (rows x longest tail, both padded where passes are), whose
     attention scores (rows x heads x tail x keys, float32: the short-pass
     attention holds them) stay within GROUP_SCORE_BYTES.
 
-    >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad=False)
+    >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad_step=None)
     [[0, 1], [2]]
-    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad=True)
+    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad_step=2048)
     [[0, 1, 2, 3]]
-    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad=True, cached=30000, heads=32)
+    >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad_step=2048, cached=30000, heads=32)
     [[0, 1], [2], [3]]
     """
     parts, part = [], []
     for i in members:
-        rows, length = len(part) + 1, tails[i]
-        if pad:
-            rows, length = padded_rows(rows), padded_length(length, 1 << 30)
+        rows, length = pass_shape(len(part) + 1, tails[i], pad_step)
         score_bytes = rows * heads * length * (cached + length) * 4
         if part and (rows * length > GROUP_TOKENS or score_bytes > GROUP_SCORE_BYTES):
             parts.append(part)
@@ -139,7 +146,7 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
         tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
         cached = fetched[members[0]][1]
         order = sorted(members, key=tails.get)
-        for part in _row_groups(order, tails, engine.pad_prompts, cached, attention_heads(engine.model)):
+        for part in _row_groups(order, tails, _pad_step(engine), cached, attention_heads(engine.model)):
             if len(part) == 1:
                 i = part[0]
                 cache, cached = fetched[i]
@@ -160,6 +167,11 @@ def _copy_duplicates(prompts: list[list[int]], first: dict, out: list) -> None:
         if j != i:
             fed = out[j][2] is None
             out[i] = (clone_cache(out[j][0]), out[j][1] if fed else len(tokens), out[j][2])
+
+
+def _pad_step(engine: Engine) -> int | None:
+    """Where prompt passes are padded (shapes that repeat, see `prefill`): up to the prefill step."""
+    return engine.config.prefill_step_size if engine.pad_prompts else None
 
 
 def _prefix_groups(engine: Engine, unique: list[int], prompts: list[list[int]], fetched: dict) -> dict:
@@ -193,10 +205,7 @@ def _share_prefix(engine: Engine, members: list[int], prompts: list[list[int]], 
 def _start_rows(engine: Engine, prompts: list[list[int]], prefix: tuple[list, int], index: list[int], out: list) -> None:
     cache, cached = prefix
     tails = [t[cached:] for t in prompts]
-    longest = max(len(t) for t in tails)
-    length, rows = longest, len(tails)
-    if engine.pad_prompts:  # shapes that repeat (see `prefill`)
-        length, rows = padded_length(length, engine.config.prefill_step_size), padded_rows(rows)
+    rows, length = pass_shape(len(tails), max(len(t) for t in tails), _pad_step(engine))
     group = [KVCache() for _ in cache]
     for g, c in zip(group, cache):
         if cached:

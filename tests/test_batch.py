@@ -228,9 +228,9 @@ def test_row_groups_split_by_pass_size(monkeypatch):
 
     monkeypatch.setattr(ent, "GROUP_TOKENS", 1000)
     tails = {0: 100, 1: 120, 2: 200, 3: 300, 4: 600}
-    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad=False) == [[0, 1, 2], [3], [4]]
+    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad_step=None) == [[0, 1, 2], [3], [4]]
     # padded: 3 rows count as 4 and 200 tokens as 256 (4 x 256 > 1000)
-    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad=True) == [[0, 1], [2], [3], [4]]
+    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad_step=2048) == [[0, 1], [2], [3], [4]]
 
 
 def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model_dir, monkeypatch):
