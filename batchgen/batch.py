@@ -39,7 +39,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import mark_cache
 from .config import KVConfig
-from .engine import Engine, JobPlan, JobRunError, TextAssembler, failed_result, finished_result, generation_stream, pick_first
+from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
+                     pick_first)
 from .entering import start_prompts
 from .jobs import BadJob, Job
 from .sampling import job_seed, make_keys, pick
@@ -181,10 +182,10 @@ class BatchScheduler:
         stats = JobStats(draft="none", kv_cache="fp16")
         return Row(job, tokens, 0, text, keys, stats, timer, queued=1)
 
-    def _start(self, rows: list[Row]) -> list[Result]:
+    def _start(self, rows: list[Row]) -> tuple[list[Row], list[Result]]:
         """Prefill entering rows (together where they share a cached prefix) and
-        give each its first token; returns the failures (a shared pass that
-        fails is retried row by row, so a bad job fails alone)."""
+        give each its first token; (the rows started, the failures: a shared
+        pass that fails is retried row by row, so a bad job fails alone)."""
         e = self.engine
         timer = Timer()
         plan = JobPlan(e.config.decode, KVConfig(kind="fp16"))
@@ -192,11 +193,11 @@ class BatchScheduler:
             starts = start_prompts(e, [r.tokens for r in rows], plan, feed_last=True)
         except Exception:
             starts = [self._start_one(r, plan) for r in rows]
-        failed, firsts = [], []
+        started = [r for r, s in zip(rows, starts) if not isinstance(s, Result)]
+        failed = [s for s in starts if isinstance(s, Result)]
+        firsts = []
         for row, start in zip(rows, starts):
             if isinstance(start, Result):
-                failed.append(start)
-                row.done = True
                 continue
             row.job_cache, row.cached, logits = start
             if logits is None:  # only the last prompt token is left: the next step feeds it
@@ -204,18 +205,18 @@ class BatchScheduler:
             else:
                 firsts.append(pick_first(logits, row.job.sampling, row.keys, row.stats))
         values = mx.concatenate(firsts).tolist() if firsts else []
-        for row in (r for r in rows if not r.done and r.pending_input is None):
+        for row in (r for r in started if r.pending_input is None):
             row.done = row.text.add(values.pop(0))
             row.first_token_s = row.timer.elapsed_s
         self.report["prompt_s"] += timer.elapsed_s
         self.report["jobs_started"] += len(rows)
-        return failed
+        return started, failed
 
     def _start_one(self, row: Row, plan: JobPlan):
         try:
             return self.engine.start_prompt(row.tokens, plan)
         except Exception as e:
-            return failed_result(row.job, "generation_error", f"{type(e).__name__}: {e}", row.job.metadata)
+            return error_result(row.job, e)
 
     def _place(self, index: int, row: Row) -> None:
         """Write the job's prompt KV into batch row `index`, ending at the
@@ -355,11 +356,12 @@ class BatchScheduler:
             entering = yield from self._take(len(free), waiting, source)
             if not entering:
                 return
-            yield from self._start(entering)
-            for row in entering:
-                if row.done and row.job_cache is not None:  # finished at its first token
+            started, failed = self._start(entering)
+            yield from failed
+            for row in started:
+                if row.done:  # finished at its first token
                     yield self._finish(row)
-                elif not row.done:
+                else:
                     self._place(free.pop(0), row)
 
     def _take(self, n: int, waiting: list, source: Iterator):
@@ -374,11 +376,8 @@ class BatchScheduler:
                 continue
             try:
                 row = item if isinstance(item, Row) else self._row(item)
-            except JobRunError as e:
-                yield failed_result(item, e.kind, str(e), item.metadata)
-                continue
             except Exception as e:
-                yield failed_result(item, "generation_error", f"{type(e).__name__}: {e}", item.metadata)
+                yield error_result(item, e)
                 continue
             if not self._fits(row, entering):
                 waiting.insert(0, row)  # waits for rows to free

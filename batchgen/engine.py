@@ -547,10 +547,8 @@ class Engine:
     def run(self, job: Job) -> Result:
         try:
             return self._run(job)
-        except JobRunError as e:
-            return failed_result(job, e.kind, str(e), job.metadata)
         except Exception as e:
-            return failed_result(job, "generation_error", f"{type(e).__name__}: {e}", job.metadata)
+            return error_result(job, e)
 
     def resolve_batch_size(self, total: int | None = None) -> int:
         """The batch size: as configured, the device's default, or ("auto")
@@ -663,6 +661,13 @@ def finished_result(job: Job, text: TextAssembler, stats: JobStats, prompt_token
         usage=Usage(prompt_tokens, text.completion_tokens, cached), stats=stats,
         metadata=job.metadata, model_name=job.model_name, token_ids=text.token_ids,
     )  # fmt: skip
+
+
+def error_result(job: Job, e: Exception) -> Result:
+    """The error line of a job that raised: a `JobRunError`'s kind, else generation_error."""
+    if isinstance(e, JobRunError):
+        return failed_result(job, e.kind, str(e), job.metadata)
+    return failed_result(job, "generation_error", f"{type(e).__name__}: {e}", job.metadata)
 
 
 def failed_result(item, kind: str, message: str, metadata=None) -> Result:
