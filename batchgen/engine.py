@@ -368,6 +368,7 @@ class Engine:
         self.load_s = 0.0
         self.model_memory_gb = 0.0
         self._digest = None
+        self._per_token_bytes: int | None = None
         pc = config.prompt_cache
         self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
@@ -564,11 +565,14 @@ class Engine:
         return max(1, min(b, total)) if total else b
 
     def _kv_bytes_per_token(self) -> int:
-        from .batch import kv_bytes_per_token
+        """fp16 KV bytes per token over all layers: read off a one-token pass, once."""
+        if self._per_token_bytes is None:
+            from .batch import kv_bytes_per_token
 
-        cache = self.make_cache(KVConfig())
-        self.model(mx.array([[0]]), cache=cache)
-        return kv_bytes_per_token([c for c in cache if hasattr(c, "keys")])
+            cache = self.make_cache(KVConfig())
+            self.model(mx.array([[0]]), cache=cache)
+            self._per_token_bytes = kv_bytes_per_token([c for c in cache if hasattr(c, "keys")])
+        return self._per_token_bytes
 
     def checked_tokens(self, job: Job) -> list[int]:
         """The job's prompt tokens, or `JobRunError` if they cannot run here."""
