@@ -33,6 +33,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .compiled_step import StepCache
 from .turboquant_kernels import available as _cuda  # CUDA present, the default device a GPU
 
 DEFAULT_MAX_QUERIES = 256
@@ -76,7 +77,10 @@ def _wrap(inner, max_queries: int):
             if 1 < L <= max_queries and type(cache) is KVCache:
                 return short_attention(queries, keys, values, scale, mask)
             if L == 1 and type(cache) is BatchKVCache and batch_decode_supported(queries, cache):
-                return batch_decode_attention(queries, cache, scale)
+                bounds = batch_cache_bounds(cache)
+                return batch_decode_attention(queries, cache.keys, cache.values, cache.left_padding, bounds, scale)
+        if type(cache) is StepCache and L == 1 and batch_decode_supported(queries, cache):
+            return batch_decode_attention(queries, keys, values, cache.left_padding, cache.end_and_capacity(), scale)
         return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     sdpa.batchgen_short_attention = inner
@@ -219,10 +223,18 @@ def _constant(key, make):
     return _constants[key]
 
 
-def batch_decode_attention(queries: mx.array, cache: BatchKVCache, scale: float) -> mx.array:
+def batch_cache_bounds(cache: BatchKVCache) -> mx.array:
+    """[write position, capacity] of a BatchKVCache's buffers, as int32."""
+    idx, capacity = cache._idx, cache.keys.shape[2]
+    return _constant(("bounds", idx, capacity), lambda: mx.array([idx, capacity], mx.int32))
+
+
+def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_padding: mx.array, bounds: mx.array,
+                           scale: float) -> mx.array:  # fmt: skip
     """softmax(q k^T * scale) v for one query per row, each row over its own
-    positions left_padding[b] .. write position - 1 of `cache`'s buffers.
-    queries (B, Hq, 1, D) -> (B, Hq, 1, D) in the queries' dtype."""
+    positions left_padding[b] .. end - 1 of the buffers k, v (B, Hkv, capacity,
+    D); `bounds`: int32 [end, capacity]. queries (B, Hq, 1, D) -> (B, Hq, 1, D)
+    in the queries' dtype."""
     global _decode_kernel
     if _decode_kernel is None:
         _decode_kernel = mx.fast.cuda_kernel(
@@ -230,12 +242,10 @@ def batch_decode_attention(queries: mx.array, cache: BatchKVCache, scale: float)
             output_names=["out"], source=_DECODE_SOURCE,
         )  # fmt: skip
     B, n_heads, _, d = queries.shape
-    k, v = cache.keys, cache.values
-    meta = _constant(("meta", cache._idx, k.shape[2]), lambda: mx.array([cache._idx, k.shape[2]], mx.int32))
     scale_arr = _constant(("scale", scale), lambda: mx.array([scale], mx.float32))
     threads = 32 * _DECODE_WARPS
     out = _decode_kernel(
-        inputs=[queries, k, v, cache.left_padding.astype(mx.int32), meta, scale_arr],
+        inputs=[queries, k, v, left_padding.astype(mx.int32), bounds, scale_arr],
         template=[("D", d), ("HQ", n_heads), ("HKV", k.shape[1]), ("WARPS", _DECODE_WARPS), ("UNROLL", _DECODE_UNROLL)],
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),

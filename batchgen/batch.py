@@ -38,6 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import mark_cache
+from .compiled_step import capacity_for, make_step
 from .config import KVConfig
 from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
                      pick_first)
@@ -147,6 +148,9 @@ class BatchScheduler:
         self.report = {"steps": 0, "prompt_s": 0.0, "jobs_started": 0}
         self.logged_overrides = False
         self.ahead: list = []  # jobs read ahead of admission, in prefix order
+        # Steps through `compiled_step` (the caches' `offset` arrays then go
+        # unused: the step derives each row's from `_idx` and its padding).
+        self.compiled = engine.config.compiled_batch_step
 
     @staticmethod
     def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256) -> int:
@@ -299,10 +303,50 @@ class BatchScheduler:
             inputs = mx.where(mx.array(mask), mx.array(values, mx.uint32), inputs)
         return inputs
 
+    def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
+        """(greedy tokens, logits or None where every row is greedy) of one step."""
+        sample = any(r is not None and not r.job.sampling.greedy for r in self.rows)
+        if self.compiled:
+            try:
+                return self._compiled_forward(inputs, sample)
+            except Exception as e:  # a model the recording cannot take: step by step instead
+                log.info("batched decoding: compiled step unavailable (%s: %s); stepping uncompiled", type(e).__name__, e)
+                self.compiled = False
+                for c in self.cache:  # the offsets the uncompiled step reads
+                    c.offset = c._idx - c.left_padding
+        logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
+        return mx.argmax(logits, axis=-1), logits
+
+    def _compiled_forward(self, inputs: mx.array, sample: bool) -> tuple[mx.array, mx.array | None]:
+        self._fit_capacity()
+        steps = self.engine.batch_steps
+        if sample not in steps:
+            steps[sample] = make_step(self.model, sample_rows=sample)
+        idx = self.cache[0]._idx
+        keys, values = [c.keys for c in self.cache], [c.values for c in self.cache]
+        tokens, logits, keys, values = steps[sample](inputs, keys, values, mx.array(idx, mx.int32),
+                                                     self.cache[0].left_padding)  # fmt: skip
+        for c, k, v in zip(self.cache, keys, values):
+            c.keys, c.values, c._idx = k, v, idx + 1
+        return tokens, logits
+
+    def _fit_capacity(self) -> None:
+        """Buffers of `capacity_for` the next write: the compiled step's shapes
+        change only when this does."""
+        want = capacity_for(self.cache[0]._idx + 1)
+        have = self.cache[0].keys.shape[2]
+        if have == want:
+            return
+        for c in self.cache:
+            if have > want:
+                c.keys, c.values = c.keys[..., :want, :], c.values[..., :want, :]
+            else:
+                pad = [(0, 0), (0, 0), (0, want - have), (0, 0)]
+                c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+
     def _queue_step(self, prev: _Step | None) -> _Step:
         """Queue one forward pass over every row; nothing is read back."""
-        logits = self.model(self._inputs(prev)[:, None], cache=self.cache)[:, -1, :]
-        tokens = mx.argmax(logits, axis=-1)
+        tokens, logits = self._forward(self._inputs(prev))
         for i, row in enumerate(self.rows):
             if row is not None and not row.job.sampling.greedy:
                 key = row.keys[min(row.queued, row.keys.shape[0] - 1)]

@@ -85,6 +85,9 @@ class EngineConfig:
     # Pad prompt passes to a power-of-two length (then trim the pads): None = on a GPU,
     # where every new pass shape costs a build (MLX's CUDA backend).
     pad_prompts: bool | None = None
+    # Batched decode steps as one compiled function over fixed-shape buffers
+    # (`compiled_step`); False: the model called step by step on a growing cache.
+    compiled_batch_step: bool = True
 
 
 @dataclass(frozen=True)

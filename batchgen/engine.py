@@ -373,6 +373,7 @@ class Engine:
         self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
         self.batch_report: dict = {}  # the last run's rows (and, batched, its steps and prompt time)
+        self.batch_steps: dict = {}  # compiled batch steps (kept across runs: recording costs)
         self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
         self.short_attention = short_attention_wanted(config.short_attention)
         self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget()

@@ -13,6 +13,9 @@ steady state, ms per step:
   as a plain cache has; timing only: padded rows get wrong positions), to
   see what per-row RoPE offsets cost;
 - `graph_build`: building one step's graph in Python, not evaluated;
+- `compiled`: the batch step as batchgen's scheduler runs it: one compiled
+  function over fixed-capacity buffers (`batchgen.compiled_step`, the kernel
+  hook installed);
 - `fused`: the batch step with fused QKV / gate-up weights (batchgen's default).
 """
 
@@ -28,6 +31,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from batchgen.attention import install_short_attention, mark_cache, uninstall_short_attention
 from batchgen.bench import random_model
+from batchgen.compiled_step import capacity_for, make_step
 from batchgen.fusion import fuse_model
 
 
@@ -58,6 +62,38 @@ def _steps(model, cache, rows: int, n: int) -> float:
         return mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1).astype(mx.uint32)
 
     for _ in range(3):  # warm-up
+        y = step(y)
+    mx.eval(y)
+    start = time.perf_counter()
+    cur = step(y)
+    mx.async_eval(cur)
+    for _ in range(n):
+        nxt = step(cur)
+        mx.async_eval(nxt)
+        cur.tolist()
+        cur = nxt
+    cur.tolist()
+    return (time.perf_counter() - start) * 1e3 / (n + 1)
+
+
+def _compiled_steps(model, cache, rows: int, n: int) -> float:
+    """ms per step through the compiled step (the cache's buffers at a fixed capacity)."""
+    idx = cache[0]._idx
+    cap = capacity_for(idx + n + 8)
+    pad = [(0, 0), (0, 0), (0, cap - idx), (0, 0)]
+    keys = [mx.pad(c.keys[..., :idx, :], pad) for c in cache]
+    values = [mx.pad(c.values[..., :idx, :], pad) for c in cache]
+    lp = cache[0].left_padding
+    fn = make_step(model, sample_rows=False)
+    state = {"keys": keys, "values": values, "idx": idx}
+
+    def step(y):
+        out, _, state["keys"], state["values"] = fn(y, state["keys"], state["values"], mx.array(state["idx"], mx.int32), lp)
+        state["idx"] += 1
+        return out.astype(mx.uint32)
+
+    y = mx.zeros((rows,), mx.uint32)
+    for _ in range(3):  # warm-up (records the step)
         y = step(y)
     mx.eval(y)
     start = time.perf_counter()
@@ -109,11 +145,14 @@ def main() -> None:
                 row[f"{name}_ms"] = round(_steps(model, cache, rows, a.steps), 3)
                 if batch and not marked:
                     row["graph_build_ms"] = round(_build_ms(model, cache, rows), 3)
+                if marked and not int_offset:
+                    row["compiled_ms"] = round(_compiled_steps(model, cache, rows, a.steps), 3)
                 uninstall_short_attention(model)
                 del cache
                 mx.clear_cache()
             row["tok_s_batch_cache"] = round(rows * 1e3 / row["batch_cache_ms"], 1)
             row["tok_s_batch_kernel"] = round(rows * 1e3 / row["batch_kernel_ms"], 1)
+            row["tok_s_compiled"] = round(rows * 1e3 / row["compiled_ms"], 1)
             print(json.dumps(row), flush=True)
             results.append(row)
     if a.out:

@@ -3,7 +3,7 @@
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
-#    tpdemo batchkernel batchstep tp05 turboquant tqkernels)
+#    tpdemo batchkernel batchstep tp05 batchprofile turboquant tqkernels)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -145,10 +145,19 @@ stage_batchkernel() {  # issue 8: batch_decode_attention against float64 (CUDA-o
 }
 
 stage_batchstep() {  # issue 8: a batched decode step's cost by rows, cache kind and fusion
-  step batchstep 200 python3 bench/batch_step.py --shape qwen2.5-0.5b --rows 1,8,32 --context 512 \
+  step batchstep 200 python3 bench/batch_step.py --shape qwen2.5-0.5b --rows 1,8,32 --context 512 --fused-only \
     --out "$R/batch_step_0.5b.json"
   step batchstep_7b 150 python3 bench/batch_step.py --shape qwen2.5-7b --rows 1,8,32 --context 512 --fused-only \
     --out "$R/batch_step_7b.json"
+}
+
+stage_batchprofile() {  # issue 8: where a 0.5B-shape batched run's time goes, compiled step and not
+  for mode in compiled uncompiled; do
+    local flag=""
+    [[ $mode == uncompiled ]] && flag="--uncompiled"
+    step "bprof_${mode}" 120 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
+      --batch 32 --jobs-total 256 --max-tokens 128 $flag --out "$R/batch_profile_${mode}.json"
+  done
 }
 
 stage_tp05() {  # issue 8: the 0.5B shape alone, with time to finish

@@ -56,7 +56,8 @@ def test_batch_decode_attention_matches_float64(dim, heads, dtype, tol):
     q = mx.random.normal((len(pads), q_heads, 1, dim), key=mx.random.key(3)).astype(dtype)
     scale = dim**-0.5
     assert attention.batch_decode_supported(q, cache)
-    got = attention.batch_decode_attention(q, cache, scale)
+    bounds = attention.batch_cache_bounds(cache)
+    got = attention.batch_decode_attention(q, cache.keys, cache.values, cache.left_padding, bounds, scale)
     assert got.shape == q.shape and got.dtype == dtype
     want = reference(q, cache, scale)
     err = np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max()
@@ -83,3 +84,36 @@ def test_hook_routes_marked_batch_caches_only():
     fused = step(attention.mark_cache([batch_cache(3, 2, 64, 64, pads, mx.float32)])[0])
     assert calls == ["stock"]
     assert np.abs(np.array(stock) - np.array(fused)).max() < 1e-4
+
+
+def test_compiled_step_through_the_kernel_matches_the_uncompiled_step():
+    """The compiled step (fixed-capacity buffers, the kernel reading up to the
+    write position given as an array) gives the uncompiled step's logits."""
+    from batchgen.bench import random_model
+    from batchgen.compiled_step import capacity_for, make_step
+
+    model, _ = random_model("qwen2.5-0.5b", "float32", None, 0)
+    attention.install_short_attention(model)
+    try:
+        pads = [0, 9, 3, 30]
+        prompt = mx.random.randint(0, 1000, (len(pads), 40), key=mx.random.key(2))
+        caches = []
+        for _ in range(2):
+            cache = attention.mark_cache([BatchKVCache(pads) for _ in model.layers])
+            model(prompt, cache=cache)
+            mx.eval([c.state for c in cache])
+            caches.append(cache)
+        plain, fixed = caches
+        idx = fixed[0]._idx
+        pad = [(0, 0), (0, 0), (0, capacity_for(idx + 4) - fixed[0].keys.shape[2]), (0, 0)]
+        keys = [mx.pad(c.keys, pad) for c in fixed]
+        values = [mx.pad(c.values, pad) for c in fixed]
+        step = make_step(model, sample_rows=True)
+        y = mx.array([5, 6, 7, 8], mx.uint32)
+        for i in range(4):
+            want = model(y[:, None], cache=plain)[:, -1, :]
+            tokens, got, keys, values = step(y, keys, values, mx.array(idx + i, mx.int32), fixed[0].left_padding)
+            assert np.abs(np.array(got) - np.array(want)).max() < 1e-3
+            y = tokens.astype(mx.uint32)
+    finally:
+        attention.uninstall_short_attention(model)

@@ -22,10 +22,10 @@ TEXTS = [
 LENGTHS = [17, 5, 30, 9, 1, 23, 12]
 
 
-def engine(path, batch_size, pool=True):
+def engine(path, batch_size, pool=True, compiled=True):
     cfg = EngineConfig(
         model=str(path), fuse=False, decode=DecodeConfig(draft="none"), batch_size=batch_size,
-        prompt_cache=PromptCacheConfig(enabled=pool, prewarm=False),
+        prompt_cache=PromptCacheConfig(enabled=pool, prewarm=False), compiled_batch_step=compiled,
     )  # fmt: skip
     return Engine.load(cfg)
 
@@ -35,11 +35,13 @@ def jobs(sampling=None):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-@pytest.mark.parametrize("batch_size", [3, 8])
-def test_batched_greedy_equals_sequential(model_dir, arch, batch_size):
+@pytest.mark.parametrize("batch_size,compiled", [(3, True), (8, True), (3, False)])
+def test_batched_greedy_equals_sequential(model_dir, arch, batch_size, compiled):
     path = model_dir(arch)
     seq = {r.id: r for r in engine(path, 1).run_all(jobs())}
-    got = list(engine(path, batch_size).run_all(jobs()))
+    batched = engine(path, batch_size, compiled=compiled)
+    got = list(batched.run_all(jobs()))
+    assert bool(batched.batch_steps) == compiled  # the compiled step ran (no fallback)
     assert sorted(r.id for r in got) == sorted(seq)
     for r in got:
         assert r.ok, r.error
@@ -105,6 +107,32 @@ def test_memory_budget_limits_rows(model_dir):
     seq = {r.id: r.text for r in engine(path, 1).run_all(jobs())}
     got = {r.id: r.text for r in sched.run(jobs())}
     assert got == seq and live_max == 1
+
+
+def test_compiled_step_across_capacity_changes(model_dir):
+    """Rows that outgrow the step's buffers (recorded anew at each capacity),
+    a long prompt entering beside short rows (left growth), and padding cut
+    when it leaves: still the sequential texts."""
+    from batchgen.batch import BatchScheduler
+
+    path = model_dir("qwen2")
+    items = [make_job(TEXTS[0], max_tokens=300, job_id="long-out"),
+             make_job(TEXTS[5], max_tokens=40, job_id="short"),
+             make_job(TEXTS[1] * 12, max_tokens=30, job_id="long-in"),
+             make_job(TEXTS[2], max_tokens=120, job_id="after")]  # fmt: skip
+    seq = {r.id: r.text for r in engine(path, 1).run_all(items)}
+    sched = BatchScheduler(engine(path, 2), 2, kv_budget_bytes=1 << 40)
+    capacities = []
+    real = sched._fit_capacity
+
+    def spy():
+        real()
+        capacities.append(sched.cache[0].keys.shape[2])
+
+    sched._fit_capacity = spy
+    got = {r.id: r.text for r in sched.run(items)}
+    assert got == seq
+    assert len(set(capacities)) >= 2 and all(c % 256 == 0 for c in capacities)
 
 
 def test_hybrid_model_falls_back_to_sequential(model_dir, caplog):
@@ -338,3 +366,20 @@ def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
     assert rounds == [3, 3]
     for i, r in got.items():
         assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
+
+
+def test_step_cache_view():
+    """Inside the compiled step: row b's tokens sit at left_padding[b] .. idx;
+    the new token is written at idx, RoPE's offset is idx - left_padding."""
+    import mlx.core as mx
+
+    from batchgen.compiled_step import StepCache, capacity_for
+
+    assert [capacity_for(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 768]
+    keys = mx.zeros((2, 1, 6, 2))
+    c = StepCache(keys, keys, mx.array(3, mx.int32), mx.array([0, 2], mx.int32))
+    assert c.offset.tolist() == [3, 1]
+    assert c.make_mask(1)[:, 0, 0].tolist() == [[True, True, True, True, False, False],
+                                                  [False, False, True, True, False, False]]  # fmt: skip
+    k, v = c.update_and_fetch(mx.ones((2, 1, 1, 2)), 2 * mx.ones((2, 1, 1, 2)))
+    assert k[:, 0, :, 0].tolist() == [[0, 0, 0, 1, 0, 0]] * 2 and v[0, 0, 3].tolist() == [2, 2]
