@@ -16,7 +16,6 @@ import io
 import json
 import pstats
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
