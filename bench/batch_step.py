@@ -16,6 +16,8 @@ steady state, ms per step:
 - `compiled`: the batch step as batchgen's scheduler runs it: one compiled
   function over fixed-capacity buffers (`batchgen.compiled_step`, the kernel
   hook installed);
+- `*_cap{N}`: the same over buffers of N positions (same rows and context):
+  time that grows with N is time spent copying whole buffers;
 - `fused`: the batch step with fused QKV / gate-up weights (batchgen's default).
 """
 
@@ -76,10 +78,11 @@ def _steps(model, cache, rows: int, n: int) -> float:
     return (time.perf_counter() - start) * 1e3 / (n + 1)
 
 
-def _compiled_steps(model, cache, rows: int, n: int) -> float:
-    """ms per step through the compiled step (the cache's buffers at a fixed capacity)."""
+def _compiled_steps(model, cache, rows: int, n: int, capacity: int = 0) -> float:
+    """ms per step through the compiled step (the cache's buffers at a fixed
+    capacity: the least that holds the steps, or `capacity` if larger)."""
     idx = cache[0]._idx
-    cap = capacity_for(idx + n + 8)
+    cap = max(capacity_for(idx + n + 8), capacity)
     pad = [(0, 0), (0, 0), (0, cap - idx), (0, 0)]
     keys = [mx.pad(c.keys[..., :idx, :], pad) for c in cache]
     values = [mx.pad(c.values[..., :idx, :], pad) for c in cache]
@@ -108,6 +111,17 @@ def _compiled_steps(model, cache, rows: int, n: int) -> float:
     return (time.perf_counter() - start) * 1e3 / (n + 1)
 
 
+def _widen(cache, capacity: int) -> None:
+    """Give BatchKVCache buffers spare room up to `capacity` (steps then write
+    into it; whether they copy the whole buffer shows in their time)."""
+    for c in cache:
+        extra = capacity - c.keys.shape[2]
+        if extra > 0:
+            pad = [(0, 0), (0, 0), (0, extra), (0, 0)]
+            c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+    mx.eval([c.state for c in cache])
+
+
 def _build_ms(model, cache, rows: int, n: int = 10) -> float:
     y = mx.zeros((rows, 1), mx.uint32)
     total = 0.0
@@ -126,6 +140,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fused-only", action="store_true")
+    ap.add_argument("--capacities", type=lambda t: [int(c) for c in t.split(",")], default=[],
+                    help="also time the compiled step over buffers of these capacities (same rows, same context)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     model, _ = random_model(a.shape, "bfloat16", None, 0)
@@ -147,6 +163,10 @@ def main() -> None:
                     row["graph_build_ms"] = round(_build_ms(model, cache, rows), 3)
                 if marked and not int_offset:
                     row["compiled_ms"] = round(_compiled_steps(model, cache, rows, a.steps), 3)
+                    for cap in a.capacities:
+                        row[f"compiled_cap{cap}_ms"] = round(_compiled_steps(model, cache, rows, a.steps, cap), 3)
+                        _widen(cache, cap)
+                        row[f"batch_kernel_cap{cap}_ms"] = round(_steps(model, cache, rows, a.steps), 3)
                 uninstall_short_attention(model)
                 del cache
                 mx.clear_cache()

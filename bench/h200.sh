@@ -3,7 +3,7 @@
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
-#    tpdemo batchkernel batchstep tp05 batchprofile turboquant tqkernels)
+#    tpdemo batchkernel batchstep tp05 tp7b copyprobe batchprofile turboquant tqkernels)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -158,6 +158,18 @@ stage_batchprofile() {  # issue 8: where a 0.5B-shape batched run's time goes, c
     step "bprof_${mode}" 120 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
       --batch 32 --jobs-total 256 --max-tokens 128 $flag --out "$R/batch_profile_${mode}.json"
   done
+}
+
+stage_copyprobe() {  # issue 8: do steps copy whole KV buffers (time growing with capacity)? graph size knob
+  step copyprobe_7b 150 python3 bench/batch_step.py --shape qwen2.5-7b --rows 8,32 --context 512 --fused-only \
+    --capacities 4096 --out "$R/copyprobe_7b.json"
+  MLX_MAX_OPS_PER_BUFFER=400 step opsknob_0.5b 100 python3 bench/batch_step.py --shape qwen2.5-0.5b --rows 8,32 \
+    --context 512 --fused-only --out "$R/opsknob_0.5b.json"
+}
+
+stage_tp7b() {  # issue 8: the 7B shape
+  step tp_7b 200 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b.json"
 }
 
 stage_tp05() {  # issue 8: the 0.5B shape alone, with time to finish
