@@ -79,8 +79,8 @@ def _wrap(inner, max_queries: int):
             if L == 1 and type(cache) is BatchKVCache and batch_decode_supported(queries, cache):
                 bounds = batch_cache_bounds(cache)
                 return batch_decode_attention(queries, cache.keys, cache.values, cache.left_padding, bounds, scale)
-        if type(cache) is StepCache and L == 1 and batch_decode_supported(queries, cache):
-            return batch_decode_attention(queries, keys, values, cache.left_padding, cache.end_and_capacity(), scale)
+        if type(cache) is StepCache and cache.new is not None:  # fed its token, not holding it
+            return batch_step_attention(queries, cache, scale)
         return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     sdpa.batchgen_short_attention = inner
@@ -128,18 +128,15 @@ _DECODE_WARPS = 16
 _DECODE_UNROLL = 4
 
 # One block per (row, query head); its warps take the keys from the row's
-# first real position (left_padding[b]) to the write position, UNROLL at a
-# time (their loads in flight together: one key after another would wait on
-# memory latency), each warp with an online softmax (running max m, sum l,
-# weighted values acc), merged at the end through shared memory. A lane holds
-# D / 32 of the head's coordinates.
-_DECODE_SOURCE = """
+# first real position (left_padding[b]) to the last, UNROLL at a time (their
+# loads in flight together: one key after another would wait on memory
+# latency), each warp with an online softmax (running max m, sum l, weighted
+# values acc), merged at the end through shared memory. A lane holds D / 32 of
+# the head's coordinates. KEY(j) / VAL(j) point at position j's vectors; the
+# two kernels below differ only in where positions live.
+_ATTEND_BODY = """
   constexpr int PER = D / 32;
-  const int bh = blockIdx.x;
-  const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int end = meta[0], cap = meta[1];
-  const int start = left_padding[b];
   const float sc = scale[0];
   float qr[PER], acc[PER];
   #pragma unroll
@@ -148,15 +145,15 @@ _DECODE_SOURCE = """
     acc[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  const size_t base = ((size_t)b * HKV + hk) * cap * D + lane * PER;
-  for (int j0 = start + warp * UNROLL; j0 < end; j0 += WARPS * UNROLL) {
+  for (int j0 = start + warp * UNROLL; j0 < stop; j0 += WARPS * UNROLL) {
     float s[UNROLL];
     #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       s[u] = 0.0f;
-      if (j0 + u < end) {
+      if (j0 + u < stop) {
+        const auto* kr = KEY(j0 + u) + lane * PER;
         #pragma unroll
-        for (int i = 0; i < PER; i++) s[u] += qr[i] * static_cast<float>(k[base + (size_t)(j0 + u) * D + i]);
+        for (int i = 0; i < PER; i++) s[u] += qr[i] * static_cast<float>(kr[i]);
       }
     }
     #pragma unroll
@@ -166,18 +163,19 @@ _DECODE_SOURCE = """
     }
     float mn = m;
     #pragma unroll
-    for (int u = 0; u < UNROLL; u++) if (j0 + u < end) mn = fmaxf(mn, s[u]);
+    for (int u = 0; u < UNROLL; u++) if (j0 + u < stop) mn = fmaxf(mn, s[u]);
     const float corr = expf(m - mn);
     l *= corr;
     #pragma unroll
     for (int i = 0; i < PER; i++) acc[i] *= corr;
     #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
-      if (j0 + u < end) {
+      if (j0 + u < stop) {
         const float p = expf(s[u] - mn);
+        const auto* vr = VAL(j0 + u) + lane * PER;
         l += p;
         #pragma unroll
-        for (int i = 0; i < PER; i++) acc[i] += p * static_cast<float>(v[base + (size_t)(j0 + u) * D + i]);
+        for (int i = 0; i < PER; i++) acc[i] += p * static_cast<float>(vr[i]);
       }
     }
     m = mn;
@@ -200,6 +198,40 @@ _DECODE_SOURCE = """
   }
 """
 
+# A BatchKVCache after its update: positions start .. write position - 1 of
+# one buffer (meta: [write position, capacity]).
+_DECODE_SOURCE = """
+  const int bh = blockIdx.x;
+  const int b = bh / HQ, hk = (bh % HQ) / (HQ / HKV);
+  const int start = left_padding[b], stop = meta[0], cap = meta[1];
+  const size_t row = (size_t)b * HKV + hk;
+  #define KEY(j) (k + (row * cap + (j)) * D)
+  #define VAL(j) (v + (row * cap + (j)) * D)
+""" + _ATTEND_BODY
+
+# The compiled step's cache (`compiled_step.StepCache`): positions below
+# `base` in the big buffers k, v; `base` .. `base + used - 1` in the recent
+# window rk, rv; the step's own token (kn, vn) at `base + used`, written into
+# the window's slot `used` on the way (rk_out, rv_out: by the first query head
+# of each key head), so that the step writes no big buffer.
+_STEP_SOURCE = """
+  const int bh = blockIdx.x;
+  const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
+  const int base = meta[0], used = meta[1], cap = meta[2], W = meta[3];
+  const int start = left_padding[b], stop = base + used + 1;
+  const size_t row = (size_t)b * HKV + hk;
+  #define KEY(j) ((j) < base ? k + (row * cap + (j)) * D : (j) < base + used ? rk + (row * W + (j) - base) * D : kn + row * D)
+  #define VAL(j) ((j) < base ? v + (row * cap + (j)) * D : (j) < base + used ? rv + (row * W + (j) - base) * D : vn + row * D)
+  if (h % (HQ / HKV) == 0) {
+    for (int i = threadIdx.x; i < W * D; i += blockDim.x) {
+      const int slot = i / D;
+      const size_t at = row * W * D + i;
+      rk_out[at] = slot == used ? kn[row * D + i % D] : rk[at];
+      rv_out[at] = slot == used ? vn[row * D + i % D] : rv[at];
+    }
+  }
+""" + _ATTEND_BODY
+
 
 def batch_decode_supported(queries, cache) -> bool:
     """CUDA, keys and values of one head size (a multiple of 32, <= 256)."""
@@ -210,7 +242,6 @@ def batch_decode_supported(queries, cache) -> bool:
     return k.shape[-1] == v.shape[-1] == d and d % 32 == 0 and d <= 256
 
 
-_decode_kernel = None
 _constants: dict = {}
 
 
@@ -235,21 +266,46 @@ def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_pad
     positions left_padding[b] .. end - 1 of the buffers k, v (B, Hkv, capacity,
     D); `bounds`: int32 [end, capacity]. queries (B, Hq, 1, D) -> (B, Hq, 1, D)
     in the queries' dtype."""
-    global _decode_kernel
-    if _decode_kernel is None:
-        _decode_kernel = mx.fast.cuda_kernel(
-            name="batch_decode_attention", input_names=["q", "k", "v", "left_padding", "meta", "scale"],
-            output_names=["out"], source=_DECODE_SOURCE,
+    out = _launch("batch_decode_attention", _DECODE_SOURCE, queries, k.shape[1],
+                  {"k": k, "v": v, "left_padding": left_padding.astype(mx.int32), "meta": bounds},
+                  scale, [])  # fmt: skip
+    return out[0].astype(queries.dtype)
+
+
+def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> mx.array:
+    """The compiled step's attention: each row over its positions in the big
+    buffers, the recent window and its own new token (`StepCache`); the new
+    token's keys and values go into the window (cache.rkeys / rvalues are
+    replaced). queries (B, Hq, 1, D) -> (B, Hq, 1, D) in the queries' dtype."""
+    k_new, v_new = cache.new
+    rk, rv = cache.rkeys, cache.rvalues
+    inputs = {"k": cache.keys, "v": cache.values, "rk": rk, "rv": rv, "kn": k_new, "vn": v_new,
+              "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
+    out, cache.rkeys, cache.rvalues = _launch("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1], inputs,
+                                              scale, [rk, rv])  # fmt: skip
+    return out.astype(queries.dtype)
+
+
+_kernels: dict = {}
+
+
+def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
+            also: list) -> list:  # fmt: skip
+    """Run kernel `name` over q + `inputs` + scale: out (float32, the queries'
+    shape) and one more output shaped like each array in `also`."""
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=name, input_names=["q", *inputs, "scale"],
+            output_names=["out"] + [f"{n}_out" for n in ("rk", "rv")][: len(also)], source=source,
         )  # fmt: skip
     B, n_heads, _, d = queries.shape
     scale_arr = _constant(("scale", scale), lambda: mx.array([scale], mx.float32))
     threads = 32 * _DECODE_WARPS
-    out = _decode_kernel(
-        inputs=[queries, k, v, left_padding.astype(mx.int32), bounds, scale_arr],
-        template=[("D", d), ("HQ", n_heads), ("HKV", k.shape[1]), ("WARPS", _DECODE_WARPS), ("UNROLL", _DECODE_UNROLL)],
+    return _kernels[name](
+        inputs=[queries, *inputs.values(), scale_arr],
+        template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("WARPS", _DECODE_WARPS), ("UNROLL", _DECODE_UNROLL)],
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(B, n_heads, 1, d)],
-        output_dtypes=[mx.float32],
-    )[0]
-    return out.astype(queries.dtype)
+        output_shapes=[queries.shape] + [a.shape for a in also],
+        output_dtypes=[mx.float32] + [a.dtype for a in also],
+    )

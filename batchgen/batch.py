@@ -38,7 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import mark_cache
-from .compiled_step import capacity_for, make_step
+from .compiled_step import CompiledSteps
 from .config import KVConfig
 from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
                      pick_first)
@@ -46,6 +46,7 @@ from .entering import start_prompts
 from .jobs import BadJob, Job
 from .sampling import job_seed, make_keys, pick
 from .stats import JobStats, Result, Timer
+from .turboquant_kernels import available as cuda_available
 
 log = logging.getLogger("batchgen")
 
@@ -151,6 +152,8 @@ class BatchScheduler:
         # Steps through `compiled_step` (the caches' `offset` arrays then go
         # unused: the step derives each row's from `_idx` and its padding).
         self.compiled = engine.config.compiled_batch_step
+        kernel = engine.short_attention and cuda_available()
+        self.stepper = CompiledSteps(self.model, kernel, engine.batch_steps)
 
     @staticmethod
     def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256) -> int:
@@ -264,6 +267,7 @@ class BatchScheduler:
         cut = min(self.pads[i] for i in live)  # a host copy: reading the device's would drain the pipeline
         if cut < _COMPACT_PAD:
             return
+        self.stepper.flush(self.cache)  # the cut keeps positions up to the write position only
         for bc in self.cache:
             bc.keys = bc.keys[..., cut : bc._idx, :]
             bc.values = bc.values[..., cut : bc._idx, :]
@@ -281,6 +285,7 @@ class BatchScheduler:
             if bc.keys is not None:
                 bc.keys, bc.values = bc.keys[index], bc.values[index]
             bc.offset, bc.left_padding = bc.offset[index], bc.left_padding[index]
+        self.stepper.select(index)
         self.pads = [self.pads[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.B = len(keep)
@@ -308,41 +313,18 @@ class BatchScheduler:
         sample = any(r is not None and not r.job.sampling.greedy for r in self.rows)
         if self.compiled:
             try:
-                return self._compiled_forward(inputs, sample)
-            except Exception as e:  # a model the recording cannot take: step by step instead
+                tokens, logits = self.stepper(self.cache, inputs, sample)
+                if not self.report["steps"]:
+                    mx.eval(tokens)  # a kernel that fails to build fails here, not in the pipeline
+                return tokens, logits
+            except Exception as e:  # a model the recording (or its kernel) cannot take: step by step instead
                 log.info("batched decoding: compiled step unavailable (%s: %s); stepping uncompiled", type(e).__name__, e)
                 self.compiled = False
+                self.stepper.flush(self.cache)
                 for c in self.cache:  # the offsets the uncompiled step reads
                     c.offset = c._idx - c.left_padding
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         return mx.argmax(logits, axis=-1), logits
-
-    def _compiled_forward(self, inputs: mx.array, sample: bool) -> tuple[mx.array, mx.array | None]:
-        self._fit_capacity()
-        steps = self.engine.batch_steps
-        if sample not in steps:
-            steps[sample] = make_step(self.model, sample_rows=sample)
-        idx = self.cache[0]._idx
-        keys, values = [c.keys for c in self.cache], [c.values for c in self.cache]
-        tokens, logits, keys, values = steps[sample](inputs, keys, values, mx.array(idx, mx.int32),
-                                                     self.cache[0].left_padding)  # fmt: skip
-        for c, k, v in zip(self.cache, keys, values):
-            c.keys, c.values, c._idx = k, v, idx + 1
-        return tokens, logits
-
-    def _fit_capacity(self) -> None:
-        """Buffers of `capacity_for` the next write: the compiled step's shapes
-        change only when this does."""
-        want = capacity_for(self.cache[0]._idx + 1)
-        have = self.cache[0].keys.shape[2]
-        if have == want:
-            return
-        for c in self.cache:
-            if have > want:
-                c.keys, c.values = c.keys[..., :want, :], c.values[..., :want, :]
-            else:
-                pad = [(0, 0), (0, 0), (0, want - have), (0, 0)]
-                c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
 
     def _queue_step(self, prev: _Step | None) -> _Step:
         """Queue one forward pass over every row; nothing is read back."""
@@ -402,6 +384,8 @@ class BatchScheduler:
                 return
             started, failed = self._start(entering)
             yield from failed
+            if started:
+                self.stepper.flush(self.cache)  # rows are placed at the big buffers' write position
             for row in started:
                 if row.done:  # finished at its first token
                     yield self._finish(row)

@@ -7,17 +7,24 @@ a 5-9 ms step, bench/batch_step.py). `mx.compile` records the step once and
 replays it, fusing the elementwise ops between matmuls, but a recording holds
 for fixed input shapes only, and a growing KV cache changes shape every step.
 
-So the step here sees the batch cache's whole buffers (B, heads, capacity, D),
-capacity rounded up to `CAPACITY_STEP` positions, and writes the new token's
-keys and values at the write position given as an array
-(`mx.slice_update`): every step of a run has the same shapes until the
-capacity grows, and one recording serves them all. Attention reads each row
-from its left padding to the write position (the CUDA kernel of
-`attention.batch_decode_attention`, or a mask elsewhere), so the spare
-capacity costs nothing on a GPU.
+So the step sees the batch cache's whole buffers (B, heads, capacity, D),
+capacity rounded up to `CAPACITY_STEP` positions, and the write position as an
+array: every step has the same shapes until the capacity grows.
 
-`StepCache` is the view the model's layers see inside the step; the batch's
-own state stays in mlx-lm's `BatchKVCache` objects between steps.
+Where the step's keys and values go: writing them into the big buffers inside
+the step copied each whole buffer every step (MLX cannot update a buffer in
+place while earlier steps still hold it: a 7B-shape step at 32 rows took 11.8
+ms over 768 positions and 28.2 ms over 4,096, against 8.7 / 10.5 ms for
+mlx-lm's cache; H200, bench/batch_step.py --capacities). The step instead
+writes into a small recent window of `WINDOW` positions per row; the window
+is flushed into the big buffers once it is full (or before rows enter), one
+copy per `WINDOW` steps. Row b's tokens are at positions left_padding[b] ..
+base - 1 of the big buffers, then base .. base + used - 1 in the window; the
+step's own token goes to position base + used (window slot `used`).
+
+On CUDA one kernel (`attention.batch_step_attention`) reads both parts and the
+new token and writes the window; elsewhere the window is updated with
+`mx.slice_update` and attention runs over both parts with a mask.
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ from typing import Callable
 
 import mlx.core as mx
 
-CAPACITY_STEP = 256  # positions: the step's buffers grow (and are recorded anew) in these
+CAPACITY_STEP = 256  # positions: the big buffers grow (and the step is recorded anew) in these
+WINDOW = 32  # positions of the recent window: the big buffers are written once per this many steps
 
 
 def capacity_for(positions: int) -> int:
-    """Buffer positions for a write at index `positions - 1` (at least one spare).
+    """Big-buffer positions that hold `positions` (at least one).
 
     >>> [capacity_for(n) for n in (1, 256, 257, 600)]
     [256, 256, 512, 768]
@@ -39,69 +47,157 @@ def capacity_for(positions: int) -> int:
 
 
 class StepCache:
-    """One layer's batch cache inside the compiled step: full buffers, the
-    write position `idx` (an int32 array of shape ()) and each row's left
-    padding (B,). Row b's tokens are at positions left_padding[b] .. idx."""
+    """One layer's batch cache inside the step: big buffers `keys`/`values`
+    (B, heads, capacity, D), the recent window `rkeys`/`rvalues` (B, heads,
+    WINDOW, D), `meta` int32 [base, used, capacity, WINDOW] and each row's
+    left padding (B,). `kernel`: the attention hook takes the step's token
+    (`new`) and updates the window itself (CUDA)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, idx: mx.array, left_padding: mx.array):
-        self.keys, self.values, self.idx, self.left_padding = keys, values, idx, left_padding
+    def __init__(self, keys, values, rkeys, rvalues, meta: mx.array, left_padding: mx.array, kernel: bool):
+        self.keys, self.values, self.rkeys, self.rvalues = keys, values, rkeys, rvalues
+        self.meta, self.left_padding, self.kernel = meta, left_padding, kernel
+        self.new: tuple | None = None
 
     @property
     def offset(self) -> mx.array:
         """Each row's position of the token being written (RoPE's offset)."""
-        return self.idx - self.left_padding
+        return self.meta[0] + self.meta[1] - self.left_padding
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] != 1:
             raise ValueError(f"StepCache takes one token per row, got {keys.shape[2]}")
-        start = self.idx.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
-        return self.keys, self.values
+        if self.kernel and _kernel_takes(keys, values, self.keys, self.values, self.rkeys, self.rvalues):
+            self.new = (keys, values)  # the kernel attends to them and writes the window
+            return self.keys, self.values
+        slot = self.meta[1:2]
+        self.rkeys = mx.slice_update(self.rkeys, keys, slot, axes=(2,))
+        self.rvalues = mx.slice_update(self.rvalues, values, slot, axes=(2,))
+        return mx.concatenate([self.keys, self.rkeys], axis=2), mx.concatenate([self.values, self.rvalues], axis=2)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """(B, 1, 1, capacity + WINDOW): the big buffers' columns, then the window's."""
         if window_size is not None:
             raise ValueError("StepCache has no sliding-window mask")
-        cols = mx.arange(self.keys.shape[2])
-        valid = (cols[None] >= self.left_padding[:, None]) & (cols[None] <= self.idx)
-        return valid[:, None, None, :]  # (B, 1, 1, capacity)
-
-    def end_and_capacity(self) -> mx.array:
-        """[idx + 1, capacity] as int32: the attention kernel's bounds."""
-        return mx.stack([self.idx + 1, mx.array(self.keys.shape[2], mx.int32)]).astype(mx.int32)
+        base, used = self.meta[0], self.meta[1]
+        big, recent = mx.arange(self.keys.shape[2]), mx.arange(self.rkeys.shape[2])
+        position = mx.concatenate([big, base + recent])
+        stored = mx.concatenate([big < base, recent <= used])
+        valid = stored[None] & (position[None] >= self.left_padding[:, None])
+        return valid[:, None, None, :]
 
     @property
     def state(self):
-        return self.keys, self.values
+        return self.keys, self.values, self.rkeys, self.rvalues
 
     def is_trimmable(self) -> bool:
         return False
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(a.nbytes for a in self.state)
 
 
-def make_step(model, sample_rows: bool) -> Callable:
-    """The compiled step: (inputs (B,), keys [layers], values [layers], idx (),
-    left_padding (B,)) -> (greedy tokens (B,), logits (B, vocab) or None,
-    new keys, new values). `sample_rows`: also return the logits (some rows
-    sample); greedy-only batches read back B tokens and nothing more."""
+def _kernel_takes(*arrays) -> bool:
+    """The step kernel's needs: one dtype, one head size (a multiple of 32, <= 256)."""
+    d = arrays[0].shape[-1]
+    return len({a.dtype for a in arrays}) == 1 and all(a.shape[-1] == d for a in arrays) and d % 32 == 0 and d <= 256
 
-    def step(inputs, keys, values, idx, left_padding):
-        cache = [StepCache(k, v, idx, left_padding) for k, v in zip(keys, values)]
+
+def make_step(model, sample_rows: bool, kernel: bool) -> Callable:
+    """The compiled step: (inputs (B,), keys, values, rkeys, rvalues [one per
+    layer], meta, left_padding) -> (greedy tokens (B,), logits (B, vocab) or
+    None, new rkeys, new rvalues). `sample_rows`: also return the logits (some
+    rows sample); greedy-only batches read back B tokens and nothing more.
+    `kernel`: attention through `attention.batch_step_attention` (CUDA, the
+    hook installed)."""
+
+    def step(inputs, keys, values, rkeys, rvalues, meta, left_padding):
+        cache = [StepCache(*layer, meta, left_padding, kernel) for layer in zip(keys, values, rkeys, rvalues)]
         logits = model(inputs[:, None], cache=cache)[:, -1, :]
         tokens = mx.argmax(logits, axis=-1)
-        out_k = [c.keys for c in cache]
-        out_v = [c.values for c in cache]
+        out_k, out_v = [c.rkeys for c in cache], [c.rvalues for c in cache]
         return (tokens, logits, out_k, out_v) if sample_rows else (tokens, out_k, out_v)
 
-    compiled = mx.compile(step)
+    fn = mx.compile(step)
     if sample_rows:
-        return compiled
+        return fn
 
-    def greedy(inputs, keys, values, idx, left_padding):
-        tokens, out_k, out_v = compiled(inputs, keys, values, idx, left_padding)
+    def greedy(*args):
+        tokens, out_k, out_v = fn(*args)
         return tokens, None, out_k, out_v
 
     return greedy
+
+
+def fit_capacity(cache: list, at_least: int = 0) -> None:
+    """Give mlx-lm `BatchKVCache` layers big buffers of `capacity_for` their
+    write position plus a full window, or `at_least` (the step's shapes change
+    only when this does; cutting spare positions is safe, none beyond `_idx`
+    are used)."""
+    want, have = max(capacity_for(cache[0]._idx + WINDOW), at_least), cache[0].keys.shape[2]
+    if have == want:
+        return
+    for c in cache:
+        if have > want:
+            c.keys, c.values = c.keys[..., :want, :], c.values[..., :want, :]
+        else:
+            pad = [(0, 0), (0, 0), (0, want - have), (0, 0)]
+            c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+
+
+class CompiledSteps:
+    """Steps a batch held in mlx-lm `BatchKVCache` layers (big buffers, write
+    position `_idx`, `left_padding`) through the compiled step, keeping the
+    recent window between steps. `recorded`: where the compiled steps are kept
+    (a dict that outlives this object: recording costs)."""
+
+    def __init__(self, model, kernel: bool, recorded: dict):
+        self.model, self.kernel, self.recorded = model, kernel, recorded
+        self.keys: list | None = None  # the window, one (B, heads, WINDOW, D) per layer
+        self.values: list | None = None
+        self.used = 0  # positions the window holds
+        self.min_capacity = 0  # big buffers of at least this many positions (benchmarks)
+
+    def __call__(self, cache: list, inputs: mx.array, sample: bool) -> tuple[mx.array, mx.array | None]:
+        """Queue one step: (greedy tokens (B,), logits or None)."""
+        if self.used == WINDOW:
+            self.flush(cache)
+        fit_capacity(cache, self.min_capacity)
+        self._ready(cache)
+        key = (sample, self.kernel)
+        if key not in self.recorded:
+            self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel)
+        c0 = cache[0]
+        meta = mx.array([c0._idx, self.used, c0.keys.shape[2], WINDOW], mx.int32)
+        keys, values = [c.keys for c in cache], [c.values for c in cache]
+        tokens, logits, self.keys, self.values = self.recorded[key](inputs, keys, values, self.keys, self.values, meta,
+                                                                    c0.left_padding)  # fmt: skip
+        self.used += 1
+        return tokens, logits
+
+    def _ready(self, cache: list) -> None:
+        """Window buffers of the cache's rows, heads and dtype (new ones where those changed)."""
+        k = cache[0].keys
+        shape = (k.shape[0], k.shape[1], WINDOW)
+        if self.keys is None or self.keys[0].shape[:3] != shape or self.keys[0].dtype != k.dtype:
+            self.keys = [mx.zeros(shape + (c.keys.shape[3],), k.dtype) for c in cache]
+            self.values = [mx.zeros(shape + (c.values.shape[3],), c.values.dtype) for c in cache]
+
+    def flush(self, cache: list) -> None:
+        """Write the window's positions at the write position and advance it
+        (before rows are placed there or padding is cut, and when it is full)."""
+        n = self.used
+        if not n:
+            return
+        fit_capacity(cache, self.min_capacity)
+        for c, rk, rv in zip(cache, self.keys, self.values):
+            c.keys[..., c._idx : c._idx + n, :] = rk[..., :n, :]
+            c.values[..., c._idx : c._idx + n, :] = rv[..., :n, :]
+            c._idx += n
+        self.used = 0
+
+    def select(self, rows: mx.array) -> None:
+        """Keep only these rows (the batch shrank)."""
+        if self.keys is not None:
+            self.keys = [k[rows] for k in self.keys]
+            self.values = [v[rows] for v in self.values]

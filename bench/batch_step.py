@@ -24,6 +24,7 @@ steady state, ms per step:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from batchgen.attention import install_short_attention, mark_cache, uninstall_short_attention
 from batchgen.bench import random_model
-from batchgen.compiled_step import capacity_for, make_step
+from batchgen.compiled_step import CompiledSteps
+from batchgen.turboquant_kernels import available as cuda_available
 from batchgen.fusion import fuse_model
 
 
@@ -57,46 +59,24 @@ def _filled(model, rows: int, context: int, batch: bool, marked: bool = False, i
 
 
 def _steps(model, cache, rows: int, n: int) -> float:
-    """ms per step over n pipelined steps."""
-    y = mx.zeros((rows,), mx.uint32)
-
-    def step(y):
-        return mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1).astype(mx.uint32)
-
-    for _ in range(3):  # warm-up
-        y = step(y)
-    mx.eval(y)
-    start = time.perf_counter()
-    cur = step(y)
-    mx.async_eval(cur)
-    for _ in range(n):
-        nxt = step(cur)
-        mx.async_eval(nxt)
-        cur.tolist()
-        cur = nxt
-    cur.tolist()
-    return (time.perf_counter() - start) * 1e3 / (n + 1)
+    """ms per step of the model stepping `cache` uncompiled."""
+    return _timed(lambda y: mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1).astype(mx.uint32), rows, n)
 
 
 def _compiled_steps(model, cache, rows: int, n: int, capacity: int = 0) -> float:
-    """ms per step through the compiled step (the cache's buffers at a fixed
-    capacity: the least that holds the steps, or `capacity` if larger)."""
-    idx = cache[0]._idx
-    cap = max(capacity_for(idx + n + 8), capacity)
-    pad = [(0, 0), (0, 0), (0, cap - idx), (0, 0)]
-    keys = [mx.pad(c.keys[..., :idx, :], pad) for c in cache]
-    values = [mx.pad(c.values[..., :idx, :], pad) for c in cache]
-    lp = cache[0].left_padding
-    fn = make_step(model, sample_rows=False)
-    state = {"keys": keys, "values": values, "idx": idx}
+    """ms per step through the compiled step as the scheduler runs it (big
+    buffers, the recent window flushed when full), the big buffers of at
+    least `capacity` positions."""
+    stepper = CompiledSteps(model, cuda_available(), {})
+    stepper.min_capacity = capacity
+    cache = [copy.copy(c) for c in cache]  # the caller's cache keeps its write position
+    return _timed(lambda y: stepper(cache, y, sample=False)[0].astype(mx.uint32), rows, n)
 
-    def step(y):
-        out, _, state["keys"], state["values"] = fn(y, state["keys"], state["values"], mx.array(state["idx"], mx.int32), lp)
-        state["idx"] += 1
-        return out.astype(mx.uint32)
 
+def _timed(step, rows: int, n: int) -> float:
+    """ms per step over n pipelined steps (the next queued before the current is read)."""
     y = mx.zeros((rows,), mx.uint32)
-    for _ in range(3):  # warm-up (records the step)
+    for _ in range(3):  # warm-up (and recording, where compiled)
         y = step(y)
     mx.eval(y)
     start = time.perf_counter()

@@ -86,11 +86,12 @@ def test_hook_routes_marked_batch_caches_only():
     assert np.abs(np.array(stock) - np.array(fused)).max() < 1e-4
 
 
-def test_compiled_step_through_the_kernel_matches_the_uncompiled_step():
-    """The compiled step (fixed-capacity buffers, the kernel reading up to the
-    write position given as an array) gives the uncompiled step's logits."""
+def compiled_steps_against_uncompiled(kernel: bool, steps: int = 40) -> float:
+    """Largest logit difference between the compiled step (big buffers plus
+    the recent window, flushed when full) and mlx-lm's BatchKVCache stepped
+    uncompiled, float32, over `steps` steps."""
     from batchgen.bench import random_model
-    from batchgen.compiled_step import capacity_for, make_step
+    from batchgen.compiled_step import CompiledSteps
 
     model, _ = random_model("qwen2.5-0.5b", "float32", None, 0)
     attention.install_short_attention(model)
@@ -104,16 +105,19 @@ def test_compiled_step_through_the_kernel_matches_the_uncompiled_step():
             mx.eval([c.state for c in cache])
             caches.append(cache)
         plain, fixed = caches
-        idx = fixed[0]._idx
-        pad = [(0, 0), (0, 0), (0, capacity_for(idx + 4) - fixed[0].keys.shape[2]), (0, 0)]
-        keys = [mx.pad(c.keys, pad) for c in fixed]
-        values = [mx.pad(c.values, pad) for c in fixed]
-        step = make_step(model, sample_rows=True)
-        y = mx.array([5, 6, 7, 8], mx.uint32)
-        for i in range(4):
+        stepper = CompiledSteps(model, kernel, {})
+        y, worst = mx.array([5, 6, 7, 8], mx.uint32), 0.0
+        for _ in range(steps):
             want = model(y[:, None], cache=plain)[:, -1, :]
-            tokens, got, keys, values = step(y, keys, values, mx.array(idx + i, mx.int32), fixed[0].left_padding)
-            assert np.abs(np.array(got) - np.array(want)).max() < 1e-3
+            tokens, got = stepper(fixed, y, sample=True)
+            worst = max(worst, np.abs(np.array(got) - np.array(want)).max())
             y = tokens.astype(mx.uint32)
+        return worst
     finally:
         attention.uninstall_short_attention(model)
+
+
+def test_compiled_step_through_the_kernel_matches_the_uncompiled_step():
+    """The step kernel (big buffers, window and new token; the window written
+    on the way) gives mlx-lm's uncompiled step's logits, across a flush."""
+    assert compiled_steps_against_uncompiled(kernel=True) < 1e-3

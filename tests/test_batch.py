@@ -110,10 +110,11 @@ def test_memory_budget_limits_rows(model_dir):
 
 
 def test_compiled_step_across_capacity_changes(model_dir):
-    """Rows that outgrow the step's buffers (recorded anew at each capacity),
-    a long prompt entering beside short rows (left growth), and padding cut
-    when it leaves: still the sequential texts."""
+    """Rows that outgrow the step's buffers (recorded anew at each capacity)
+    and fill its recent window many times over, a long prompt entering beside
+    short rows (left growth), padding cut when it leaves: the sequential texts."""
     from batchgen.batch import BatchScheduler
+    from batchgen.compiled_step import WINDOW
 
     path = model_dir("qwen2")
     items = [make_job(TEXTS[0], max_tokens=300, job_id="long-out"),
@@ -122,17 +123,20 @@ def test_compiled_step_across_capacity_changes(model_dir):
              make_job(TEXTS[2], max_tokens=120, job_id="after")]  # fmt: skip
     seq = {r.id: r.text for r in engine(path, 1).run_all(items)}
     sched = BatchScheduler(engine(path, 2), 2, kv_budget_bytes=1 << 40)
-    capacities = []
-    real = sched._fit_capacity
+    capacities, window = [], []
+    real = sched._forward
 
-    def spy():
-        real()
+    def spy(inputs):
+        out = real(inputs)
         capacities.append(sched.cache[0].keys.shape[2])
+        window.append(sched.stepper.used)
+        return out
 
-    sched._fit_capacity = spy
+    sched._forward = spy
     got = {r.id: r.text for r in sched.run(items)}
     assert got == seq
     assert len(set(capacities)) >= 2 and all(c % 256 == 0 for c in capacities)
+    assert window.count(WINDOW) >= 3 and window.count(1) > window.count(WINDOW)  # flushed, full or not
 
 
 def test_hybrid_model_falls_back_to_sequential(model_dir, caplog):
@@ -369,17 +373,21 @@ def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
 
 
 def test_step_cache_view():
-    """Inside the compiled step: row b's tokens sit at left_padding[b] .. idx;
-    the new token is written at idx, RoPE's offset is idx - left_padding."""
+    """Inside the compiled step: row b's tokens sit at left_padding[b] .. base - 1
+    of the big buffers, then in the window's first `used` slots; the new token
+    goes to window slot `used`, at position base + used (RoPE's offset minus the
+    row's padding)."""
     import mlx.core as mx
 
     from batchgen.compiled_step import StepCache, capacity_for
 
     assert [capacity_for(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 768]
-    keys = mx.zeros((2, 1, 6, 2))
-    c = StepCache(keys, keys, mx.array(3, mx.int32), mx.array([0, 2], mx.int32))
-    assert c.offset.tolist() == [3, 1]
-    assert c.make_mask(1)[:, 0, 0].tolist() == [[True, True, True, True, False, False],
-                                                  [False, False, True, True, False, False]]  # fmt: skip
+    big, window = mx.zeros((2, 1, 4, 2)), mx.zeros((2, 1, 3, 2))
+    meta = mx.array([3, 1, 4, 3], mx.int32)  # base 3, one position in the window
+    c = StepCache(big, big, window, window, meta, mx.array([0, 2], mx.int32), kernel=False)
+    assert c.offset.tolist() == [4, 2]
+    assert c.make_mask(1)[:, 0, 0].tolist() == [[True, True, True, False, True, True, False],
+                                                  [False, False, True, False, True, True, False]]  # fmt: skip
     k, v = c.update_and_fetch(mx.ones((2, 1, 1, 2)), 2 * mx.ones((2, 1, 1, 2)))
-    assert k[:, 0, :, 0].tolist() == [[0, 0, 0, 1, 0, 0]] * 2 and v[0, 0, 3].tolist() == [2, 2]
+    assert k.shape == (2, 1, 7, 2) and k[:, 0, :, 0].tolist() == [[0, 0, 0, 0, 0, 1, 0]] * 2
+    assert c.rvalues[0, 0, 1].tolist() == [2, 2] and c.rvalues[0, 0, 0].tolist() == [0, 0]
