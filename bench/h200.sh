@@ -147,7 +147,7 @@ stage_batchkernel() {  # issue 8: batch_decode_attention against float64 (CUDA-o
 stage_batchstep() {  # issue 8: a batched decode step's cost by rows, cache kind and fusion
   step batchstep 200 python3 bench/batch_step.py --shape qwen2.5-0.5b --rows 1,8,32 --context 512 --fused-only \
     --out "$R/batch_step_0.5b.json"
-  step batchstep_7b 150 python3 bench/batch_step.py --shape qwen2.5-7b --rows 1,8,32 --context 512 --fused-only \
+  step batchstep_7b 150 python3 bench/batch_step.py --shape qwen2.5-7b --rows 1,8,32 --context 512 --fused-only --capacities 4096 \
     --out "$R/batch_step_7b.json"
 }
 
