@@ -8,8 +8,11 @@ churn. On an H200 it ran 918 tok/s at batch 8 against 249 tok/s for one
 stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
 
 - the KV cache is mlx-lm's `BatchKVCache` (every model's attention already
-  understands its per-row offsets and left padding); on CUDA its one-query
-  steps go through `attention.batch_decode_attention`;
+  understands its per-row offsets and left padding); a step is one compiled
+  function over its whole buffers plus a small recent window
+  (`compiled_step`: the step is bound by the host, and a recording needs
+  fixed shapes), stepping the model uncompiled where that cannot run; on
+  CUDA one-query attention is one kernel either way (`attention`);
 - jobs are read a few batches ahead and put in prefix order, so that jobs
   sharing a system prompt or few-shot block enter together;
 - the jobs entering at one step are prefilled together
