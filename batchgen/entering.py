@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 
 from .attention import mark_cache
 from .engine import Engine, JobPlan, generation_stream, logits_at, padded_length, pads_exactly
-from .prompt_cache import clone_cache, common_prefix_len
+from .prompt_cache import clone_cache, common_prefix_len, trim_cache
 
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
@@ -31,6 +31,11 @@ GROUP_SCORE_BYTES = 1 << 30
 # Tokens that prompts entering together share beyond their cached prefix, from
 # which that part gets a pass of its own first (below it, the rows repeat it).
 SHARED_MIN = 32
+# Where passes are padded (a GPU: a small pass costs about the same whatever its
+# size), a pool hit up to this many tokens longer than another entering
+# prompt's hit on the same tokens is cut back to it, so that the two share one
+# pass instead of one each (7B shape, H200: 20-50 ms a pass).
+MERGE_SLACK = 64
 
 
 def pass_shape(rows: int, length: int, pad_step: int | None) -> tuple[int, int]:
@@ -100,7 +105,8 @@ def prefill_rows(model: nn.Module, cache: list, tails: list[list[int]], length: 
 
 def cache_row(cache: list, row: int, length: int) -> list:
     """Row `row` of a batched plain KV cache, its first `length` positions, as a
-    cache of its own (copied: it must not keep the whole batch's buffer alive)."""
+    cache of its own (copied: it must not keep the whole batch's buffer alive
+    once evaluated)."""
     out = []
     for c in cache:
         one = KVCache()
@@ -108,7 +114,6 @@ def cache_row(cache: list, row: int, length: int) -> list:
         one.values = mx.contiguous(c.values[row : row + 1, :, :length, :])
         one.offset = length
         out.append(one)
-    mx.eval([c.state for c in out])
     return out
 
 
@@ -139,6 +144,8 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
         if feed_last and 0 < cached == len(prompts[i]) - 1:
             out[i] = (cache, cached, None)
     unique = [i for i in unique if out[i] is None]
+    if _pad_step(engine) is not None:
+        _merge_hits(unique, prompts, fetched)
     for members in _prefix_groups(engine, unique, prompts, fetched).values():
         if len(members) > 1:
             _share_prefix(engine, members, prompts, fetched, plan)
@@ -184,6 +191,25 @@ def _prefix_groups(engine: Engine, unique: list[int], prompts: list[list[int]], 
     return groups
 
 
+def _merge_hits(unique: list[int], prompts: list[list[int]], fetched: dict) -> None:
+    """Cut pool hits back to a shorter hit of another prompt on the same tokens,
+    at most MERGE_SLACK tokens shorter (shortest hits first: they are the bases
+    others join), so that those prompts fall into one prefix group."""
+    bases: list[int] = []
+    for i in sorted(unique, key=lambda i: fetched[i][1]):
+        cache, cached = fetched[i]
+        for j in bases:
+            base = fetched[j][1]
+            joins = pads_exactly(cache) and pads_exactly(fetched[j][0])
+            if joins and cached - base <= MERGE_SLACK and prompts[i][:base] == prompts[j][:base]:
+                if cached > base:
+                    trim_cache(cache, cached - base)
+                    fetched[i] = (cache, base)
+                break
+        else:
+            bases.append(i)
+
+
 def _share_prefix(engine: Engine, members: list[int], prompts: list[list[int]], fetched: dict, plan: JobPlan) -> None:
     """Prompts of one cached prefix that agree on their next SHARED_MIN tokens
     or more: prefill what they share once (each keeps one token of its own)."""
@@ -215,8 +241,10 @@ def _start_rows(engine: Engine, prompts: list[list[int]], prefix: tuple[list, in
     if engine.short_attention:
         mark_cache(group)
     logits = prefill_rows(engine.model, group, tails, length, rows)
+    rows = []
     for r, (i, tokens) in enumerate(zip(index, prompts)):
-        row = cache_row(group, r, len(tokens))
+        rows.append(cache_row(group, r, len(tokens)))
         if engine.short_attention:
-            mark_cache(row)
-        out[i] = (row, cached, logits[r : r + 1])
+            mark_cache(rows[-1])
+        out[i] = (rows[-1], cached, logits[r : r + 1])
+    mx.eval([c.state for row in rows for c in row])  # one wait for every row's copy

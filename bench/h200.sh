@@ -3,7 +3,7 @@
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
-#    tpdemo batchkernel batchstep tp05 tp7b copyprobe batchprofile turboquant tqkernels)
+#    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -169,6 +169,13 @@ stage_copyprobe() {  # issue 8: do steps copy whole KV buffers (time growing wit
 
 stage_tp7b() {  # issue 8: the 7B shape
   step tp_7b 200 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b.json"
+}
+
+stage_tpshapes() {  # issue 8: both shapes at equal batch, and the 0.5B shape one job at a time
+  step tp_0.5b 200 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 1,8,32 \
+    --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b.json"
+  step tp_7b 120 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
     --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b.json"
 }
 

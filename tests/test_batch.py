@@ -255,6 +255,43 @@ def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypa
         assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
 
 
+@pytest.mark.parametrize("pad", [False, True])
+def test_pool_hits_a_little_longer_are_cut_back_to_share_a_pass(model_dir, monkeypatch, pad):
+    """An earlier job left a slot a few tokens longer than the system prompt for
+    one of three entering prompts. Where passes are padded (a GPU) that hit is
+    cut back to the system prompt's and all three share one pass; elsewhere it
+    keeps its longer hit and a pass of its own. Texts as one by one."""
+    import batchgen.engine as eng
+    import batchgen.entering as ent
+    from batchgen.jobs import Job
+
+    system = "You are a helpful assistant. Answer briefly and exactly."
+    users = ["Write the function load of plistlib.", "Write the function dump of json.", "hi", "x = 1"]
+    batch = [
+        Job(id=f"m{i}", line=i + 1, format=NATIVE, max_tokens=6, prompt=None, sampling=SamplingConfig(),
+            messages=({"role": "system", "content": system}, {"role": "user", "content": u}))
+        for i, u in enumerate(users)
+    ]  # fmt: skip
+    path = model_dir("qwen2")
+    seq = {r.id: r for r in engine(path, 1).run_all(batch)}
+    e = engine(path, 4)
+    e.pad_prompts = pad
+    prefix = e.prewarm(system, "test")["tokens"]
+    got = {r.id: r for r in e.run_all(batch[:1])}  # leaves a slot sharing "Write the function " with m1
+    passes = []
+    real_prefill, real_rows = eng.prefill, ent.prefill_rows
+    monkeypatch.setattr(eng, "prefill", lambda *a, **k: passes.append("one") or real_prefill(*a, **k))
+    monkeypatch.setattr(ent, "prefill_rows", lambda *a, **k: passes.append("rows") or real_rows(*a, **k))
+    longer = e.pool.fetch(e.prompt_tokens(batch[1]), "fp16").cached_tokens
+    assert 0 < longer - prefix <= ent.MERGE_SLACK
+    got.update({r.id: r for r in e.run_all(batch[1:])})
+    assert passes == (["rows"] if pad else ["one", "rows"])
+    assert got["m1"].usage.cached_tokens == (prefix if pad else longer)
+    assert got["m2"].usage.cached_tokens == got["m3"].usage.cached_tokens == prefix
+    for i, r in got.items():
+        assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
+
+
 def test_row_groups_split_by_pass_size(monkeypatch):
     import batchgen.entering as ent
 
