@@ -431,6 +431,8 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
 
     def ours(b: int, subset: list[Job]):
         engine.config = replace(engine.config, batch_size=b)
+        if engine.pool is not None:  # every run from the same pool: nothing cached by an earlier one
+            engine.pool.forget()
         mx.reset_peak_memory()
         start = time.perf_counter()
         results = list(engine.run_all(subset, total=len(subset)))
@@ -465,6 +467,7 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
             "batch_size": b, "requested": size, "jobs": n,
             "mlx_lm_batch_generate": {"wall_s": p_wall, "tokens_per_s": p_tokens / p_wall, "peak_memory_gb": p_mem},
             "batchgen": {"wall_s": o_wall, "tokens_per_s": o_tokens / o_wall, "completion_tokens": o_tokens,
+                         "cached_tokens": sum(r.usage.cached_tokens for r in o_results),
                          "peak_memory_gb": o_mem, **(engine.batch_report if b > 1 else {})},
             "ratio_tokens_per_s": (o_tokens / o_wall) / (p_tokens / p_wall) if p_tokens else None,
             "identical_outputs": same,

@@ -178,6 +178,10 @@ class PromptPool:
         self.slots.append(Slot(tokens, cache, kind, nbytes, pinned, self._clock))
         self._evict()
 
+    def forget(self) -> None:
+        """Drop every slot but the pinned ones (the prewarmed prefix)."""
+        self.slots = [s for s in self.slots if s.pinned]
+
     def _evict(self) -> None:
         while self.slots and (self.nbytes > self.max_bytes or len(self.slots) > self.max_slots):
             unpinned = [s for s in self.slots if not s.pinned]

@@ -80,6 +80,10 @@ def test_bench_random_shape_and_throughput(tmp_path, model):
     assert rows[2]["requested"] == "auto"
     assert rows[1]["jobs"] == 4 and rows[1]["batchgen"]["completion_tokens"] > 0
     assert rows[1]["batchgen_over_batchgen_sequential"] > 0
+    # each run starts from an empty pool: the same jobs, the same cached tokens, but for
+    # a duplicate entering beside its original (all its tokens cached, one more than alone)
+    cached = [row["batchgen"]["cached_tokens"] for row in rows[:2]]
+    assert cached[0] > 0 and abs(cached[1] - cached[0]) <= rows[1]["jobs"], cached
 
 
 def test_bench_needs_jobs_or_synthetic():

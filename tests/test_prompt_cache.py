@@ -223,3 +223,22 @@ def test_default_pool_bytes_reads_the_device_memory(monkeypatch, info, expected)
 
     monkeypatch.setattr(prompt_cache.mx, "device_info", lambda: info)
     assert prompt_cache.default_pool_bytes() == expected
+
+
+def test_forget_keeps_only_pinned_slots():
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from batchgen.prompt_cache import PromptPool
+
+    def cache():
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+        return [c]
+
+    pool = PromptPool(max_bytes=1 << 20)
+    pool.insert([1, 2, 3], cache(), "fp16", pinned=True)
+    pool.insert([1, 2, 4], cache(), "fp16")
+    pool.forget()
+    assert [s.tokens for s in pool.slots] == [[1, 2, 3]]
+    assert pool.fetch([1, 2, 4, 5], "fp16").cached_tokens == 2
