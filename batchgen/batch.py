@@ -316,10 +316,8 @@ class BatchScheduler:
         sample = any(r is not None and not r.job.sampling.greedy for r in self.rows)
         if self.compiled:
             try:
-                tokens, logits = self.stepper(self.cache, inputs, sample)
-                if not self.report["steps"]:
-                    mx.eval(tokens)  # a kernel that fails to build fails here, not in the pipeline
-                return tokens, logits
+                # the first step is evaluated at once: a kernel that fails to build fails here
+                return self.stepper(self.cache, inputs, sample, check=not self.report["steps"])
             except Exception as e:  # a model the recording (or its kernel) cannot take: step by step instead
                 log.info("batched decoding: compiled step unavailable (%s: %s); stepping uncompiled", type(e).__name__, e)
                 self.compiled = False

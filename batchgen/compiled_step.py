@@ -158,8 +158,11 @@ class CompiledSteps:
         self.used = 0  # positions the window holds
         self.min_capacity = 0  # big buffers of at least this many positions (benchmarks)
 
-    def __call__(self, cache: list, inputs: mx.array, sample: bool) -> tuple[mx.array, mx.array | None]:
-        """Queue one step: (greedy tokens (B,), logits or None)."""
+    def __call__(self, cache: list, inputs: mx.array, sample: bool,
+                 check: bool = False) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+        """Queue one step: (greedy tokens (B,), logits or None). `check`:
+        evaluate it now, so that a step that cannot run raises here and leaves
+        the window as it was."""
         if self.used == WINDOW:
             self.flush(cache)
         fit_capacity(cache, self.min_capacity)
@@ -170,8 +173,11 @@ class CompiledSteps:
         c0 = cache[0]
         meta = mx.array([c0._idx, self.used, c0.keys.shape[2], WINDOW], mx.int32)
         keys, values = [c.keys for c in cache], [c.values for c in cache]
-        tokens, logits, self.keys, self.values = self.recorded[key](inputs, keys, values, self.keys, self.values, meta,
-                                                                    c0.left_padding)  # fmt: skip
+        tokens, logits, rkeys, rvalues = self.recorded[key](inputs, keys, values, self.keys, self.values, meta,
+                                                             c0.left_padding)  # fmt: skip
+        if check:
+            mx.eval(tokens, rkeys, rvalues)
+        self.keys, self.values = rkeys, rvalues
         self.used += 1
         return tokens, logits
 

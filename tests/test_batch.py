@@ -139,6 +139,38 @@ def test_compiled_step_across_capacity_changes(model_dir):
     assert window.count(WINDOW) >= 3 and window.count(1) > window.count(WINDOW)  # flushed, full or not
 
 
+def test_a_step_that_cannot_be_recorded_falls_back_to_uncompiled(model_dir, monkeypatch, caplog):
+    """Mid-run, its window holding positions, the compiled step fails: the
+    window is flushed, the batch steps uncompiled, texts as one by one."""
+    import logging
+
+    import batchgen.compiled_step as cs
+    from batchgen.batch import BatchScheduler
+
+    path = model_dir("qwen2")
+    seq = {r.id: r.text for r in engine(path, 1).run_all(jobs())}
+    sched = BatchScheduler(engine(path, 3), 3, kv_budget_bytes=1 << 40)
+    real, held = cs.make_step, []
+
+    def flaky(model, sample_rows, kernel):
+        step = real(model, sample_rows, kernel)
+
+        def run(*args):
+            if sched.stepper.used >= 4:
+                held.append(sched.stepper.used)
+                raise ValueError("cannot record this model")
+            return step(*args)
+
+        return run
+
+    monkeypatch.setattr(cs, "make_step", flaky)
+    with caplog.at_level(logging.INFO, logger="batchgen"):
+        got = {r.id: r.text for r in sched.run(jobs())}
+    assert "compiled step unavailable (ValueError: cannot record this model)" in caplog.text
+    assert held == [4] and not sched.compiled
+    assert got == seq
+
+
 def test_hybrid_model_falls_back_to_sequential(model_dir, caplog):
     import logging
 
