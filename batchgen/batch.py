@@ -41,7 +41,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import mark_cache
-from .compiled_step import CompiledSteps
+from .compiled_step import CompiledSteps, held_positions
 from .config import KVConfig
 from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
                      pick_first)
@@ -176,7 +176,8 @@ class BatchScheduler:
     def _fits(self, row: Row, entering: list[Row]) -> bool:
         if self.live == 0 and not entering:
             return True  # a job that alone exceeds the budget still runs, alone
-        return self.B * self._worst_len(entering + [row]) * self.per_token <= self.budget
+        # every row's buffers are as long as the longest row's, rounded up as the step holds them
+        return self.B * held_positions(self._worst_len(entering + [row])) * self.per_token <= self.budget
 
     def _row(self, job: Job) -> Row:
         """A job about to enter: tokenized, its sampling keys drawn."""

@@ -46,6 +46,16 @@ def capacity_for(positions: int) -> int:
     return max(1, -(-positions // CAPACITY_STEP)) * CAPACITY_STEP
 
 
+def held_positions(longest: int) -> int:
+    """Positions per row the step's buffers hold for rows of at most `longest`
+    tokens: big buffers of `capacity_for` that plus a window, and the window.
+
+    >>> [held_positions(n) for n in (1, 224, 225, 1000)]
+    [288, 288, 544, 1312]
+    """
+    return capacity_for(longest + WINDOW) + WINDOW
+
+
 class StepCache:
     """One layer's batch cache inside the step: big buffers `keys`/`values`
     (B, heads, capacity, D), the recent window `rkeys`/`rvalues` (B, heads,

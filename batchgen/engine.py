@@ -560,9 +560,10 @@ class Engine:
             b = default_batch_size()
         if b == "auto":
             from .batch import BatchScheduler
+            from .compiled_step import held_positions
 
             per_token = self._kv_bytes_per_token()
-            b = BatchScheduler.auto_size(self.kv_budget_bytes, per_token, 1024 + DEFAULT_MAX_TOKENS)
+            b = BatchScheduler.auto_size(self.kv_budget_bytes, per_token, held_positions(1024 + DEFAULT_MAX_TOKENS))
         return max(1, min(b, total)) if total else b
 
     def _kv_bytes_per_token(self) -> int:

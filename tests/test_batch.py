@@ -171,6 +171,31 @@ def test_a_step_that_cannot_be_recorded_falls_back_to_uncompiled(model_dir, monk
     assert got == seq
 
 
+def test_budget_counts_the_buffers_as_the_step_holds_them(model_dir):
+    """A budget that holds four rows of the longest job's tokens, but not the
+    step's buffers for them (rounded up, plus the window): one row at a time."""
+    from batchgen.batch import BatchScheduler
+    from batchgen.compiled_step import held_positions
+
+    path = model_dir("qwen2")
+    e = engine(path, 4)
+    longest = max(len(e.prompt_tokens(j)) + j.max_tokens for j in jobs())
+    sched = BatchScheduler(e, 4, kv_budget_bytes=4 * held_positions(longest) * e._kv_bytes_per_token() - 1)
+    assert 4 * longest * sched.per_token <= sched.budget
+    live_max = 0
+    real_read = sched._read
+
+    def spy(step):
+        nonlocal live_max
+        live_max = max(live_max, sched.live)
+        return real_read(step)
+
+    sched._read = spy
+    got = {r.id: r.text for r in sched.run(jobs())}
+    assert got == {r.id: r.text for r in engine(path, 1).run_all(jobs())}
+    assert live_max == 1
+
+
 def test_hybrid_model_falls_back_to_sequential(model_dir, caplog):
     import logging
 
