@@ -473,9 +473,10 @@ def test_step_cache_view():
     row's padding)."""
     import mlx.core as mx
 
-    from batchgen.compiled_step import StepCache, capacity_for
+    from batchgen.compiled_step import StepCache, capacity_for, held_positions
 
     assert [capacity_for(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 768]
+    assert [held_positions(n) for n in (1, 224, 225, 1000)] == [288, 288, 544, 1312]
     big, window = mx.zeros((2, 1, 4, 2)), mx.zeros((2, 1, 3, 2))
     meta = mx.array([3, 1, 4, 3], mx.int32)  # base 3, one position in the window
     c = StepCache(big, big, window, window, meta, mx.array([0, 2], mx.int32), kernel=False)
