@@ -33,7 +33,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .compiled_step import StepCache
+from .compiled_step import StepCache, kernel_head_size
 from .turboquant_kernels import available as _cuda  # CUDA present, the default device a GPU
 
 DEFAULT_MAX_QUERIES = 256
@@ -236,10 +236,7 @@ _STEP_SOURCE = """
 def batch_decode_supported(queries, cache) -> bool:
     """CUDA, keys and values of one head size (a multiple of 32, <= 256)."""
     k, v = cache.keys, cache.values
-    if k is None or not _cuda():
-        return False
-    d = queries.shape[-1]
-    return k.shape[-1] == v.shape[-1] == d and d % 32 == 0 and d <= 256
+    return k is not None and _cuda() and kernel_head_size(queries, k, v)
 
 
 _constants: dict = {}
@@ -268,7 +265,7 @@ def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_pad
     in the queries' dtype."""
     out = _launch("batch_decode_attention", _DECODE_SOURCE, queries, k.shape[1],
                   {"k": k, "v": v, "left_padding": left_padding.astype(mx.int32), "meta": bounds},
-                  scale, [])  # fmt: skip
+                  scale, {})  # fmt: skip
     return out[0].astype(queries.dtype)
 
 
@@ -282,7 +279,7 @@ def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> m
     inputs = {"k": cache.keys, "v": cache.values, "rk": rk, "rv": rv, "kn": k_new, "vn": v_new,
               "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
     out, cache.rkeys, cache.rvalues = _launch("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1], inputs,
-                                              scale, [rk, rv])  # fmt: skip
+                                              scale, {"rk_out": rk, "rv_out": rv})  # fmt: skip
     return out.astype(queries.dtype)
 
 
@@ -290,13 +287,12 @@ _kernels: dict = {}
 
 
 def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
-            also: list) -> list:  # fmt: skip
+            also: dict) -> list:  # fmt: skip
     """Run kernel `name` over q + `inputs` + scale: out (float32, the queries'
-    shape) and one more output shaped like each array in `also`."""
+    shape), then each output named in `also`, shaped like its array there."""
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
-            name=name, input_names=["q", *inputs, "scale"],
-            output_names=["out"] + [f"{n}_out" for n in ("rk", "rv")][: len(also)], source=source,
+            name=name, input_names=["q", *inputs, "scale"], output_names=["out", *also], source=source,
         )  # fmt: skip
     B, n_heads, _, d = queries.shape
     scale_arr = _constant(("scale", scale), lambda: mx.array([scale], mx.float32))
@@ -306,6 +302,6 @@ def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: di
         template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("WARPS", _DECODE_WARPS), ("UNROLL", _DECODE_UNROLL)],
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[queries.shape] + [a.shape for a in also],
-        output_dtypes=[mx.float32] + [a.dtype for a in also],
+        output_shapes=[queries.shape] + [a.shape for a in also.values()],
+        output_dtypes=[mx.float32] + [a.dtype for a in also.values()],
     )

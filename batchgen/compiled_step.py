@@ -107,10 +107,17 @@ class StepCache:
         return sum(a.nbytes for a in self.state)
 
 
-def _kernel_takes(*arrays) -> bool:
-    """The step kernel's needs: one dtype, one head size (a multiple of 32, <= 256)."""
+def kernel_head_size(*arrays) -> bool:
+    """What the batch attention kernels (`attention`) take: one head size over
+    all these arrays, a multiple of 32 (a lane per 1/32 of it), at most 256."""
     d = arrays[0].shape[-1]
-    return len({a.dtype for a in arrays}) == 1 and all(a.shape[-1] == d for a in arrays) and d % 32 == 0 and d <= 256
+    return all(a.shape[-1] == d for a in arrays) and d % 32 == 0 and d <= 256
+
+
+def _kernel_takes(*arrays) -> bool:
+    """The step kernel's needs: one dtype (it picks each position's pointer
+    from three buffers) and `kernel_head_size`."""
+    return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
 
 
 def make_step(model, sample_rows: bool, kernel: bool) -> Callable:

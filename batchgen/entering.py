@@ -144,7 +144,8 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
         if feed_last and 0 < cached == len(prompts[i]) - 1:
             out[i] = (cache, cached, None)
     unique = [i for i in unique if out[i] is None]
-    if _pad_step(engine) is not None:
+    pad_step = _pad_step(engine)
+    if pad_step is not None:
         _merge_hits(unique, prompts, fetched)
     for members in _prefix_groups(engine, unique, prompts, fetched).values():
         if len(members) > 1:
@@ -153,7 +154,7 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
         tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
         cached = fetched[members[0]][1]
         order = sorted(members, key=tails.get)
-        for part in _row_groups(order, tails, _pad_step(engine), cached, attention_heads(engine.model)):
+        for part in _row_groups(order, tails, pad_step, cached, attention_heads(engine.model)):
             if len(part) == 1:
                 i = part[0]
                 cache, cached = fetched[i]
@@ -241,10 +242,10 @@ def _start_rows(engine: Engine, prompts: list[list[int]], prefix: tuple[list, in
     if engine.short_attention:
         mark_cache(group)
     logits = prefill_rows(engine.model, group, tails, length, rows)
-    rows = []
+    taken = []
     for r, (i, tokens) in enumerate(zip(index, prompts)):
-        rows.append(cache_row(group, r, len(tokens)))
+        taken.append(cache_row(group, r, len(tokens)))
         if engine.short_attention:
-            mark_cache(rows[-1])
-        out[i] = (rows[-1], cached, logits[r : r + 1])
-    mx.eval([c.state for row in rows for c in row])  # one wait for every row's copy
+            mark_cache(taken[-1])
+        out[i] = (taken[-1], cached, logits[r : r + 1])
+    mx.eval([c.state for row in taken for c in row])  # one wait for every row's copy
