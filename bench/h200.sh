@@ -175,8 +175,7 @@ stage_tp7b() {  # issue 8: the 7B shape
 stage_tpshapes() {  # issue 8: both shapes at equal batch, and the 0.5B shape one job at a time
   step tp_0.5b 200 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 1,8,32 \
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b.json"
-  step tp_7b 120 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
-    --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b.json"
+  stage_tp7b
 }
 
 stage_tp05() {  # issue 8: the 0.5B shape alone, with time to finish
