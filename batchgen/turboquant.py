@@ -353,6 +353,15 @@ def quantize(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]
     return pack_codes(codes, bits), scale.squeeze(-1).astype(mx.float16)
 
 
+def _encode(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]:
+    """`quantize`; on CUDA the kernel that step mode encodes with, so that a token's
+    codes are the same whichever path stored it."""
+    if STEP_KERNEL and rot.hadamard and _kernels.available() and _kernels.step_supported(rot.dim, 1, bits, bits):
+        levels, edges = _codebook_arrays(bits)
+        return _kernels.encode(x, rot.signs, levels, edges, bits)
+    return quantize(x, bits, rot)
+
+
 def dequantize_rotated(
     words: mx.array, norms: mx.array, bits: int, dim: int
 ) -> mx.array:
@@ -456,6 +465,13 @@ class TurboQuantKVCache(_BaseCache):
         # Cleared by itself after one step if no call comes.
         self.routed = _attention_installed()
         self._chunk = None
+        # Step mode (CUDA decode, see `_step_attention`): the token handed over by
+        # update_and_fetch, the window's arrays (wk, wv, wkc, wvc, wkq, wvq) and its
+        # positions: slot 0 holds position _win_r0, _win_n slots are in use, codes
+        # below position _win_cb are in the big buffers, above it in the window.
+        self._step_new = None
+        self._win = None
+        self._win_r0 = self._win_n = self._win_cb = 0
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -529,8 +545,8 @@ class TurboQuantKVCache(_BaseCache):
     def _append_codes(self, keys, values, start: int):
         B, H, L, _ = keys.shape
         self._grow(B, H, start, start + L)
-        kc, kn = quantize(keys, self.key_bits, self._rotation(self.key_dim))
-        vc, vn = quantize(values, self.value_bits, self._rotation(self.value_dim))
+        kc, kn = _encode(keys, self.key_bits, self._rotation(self.key_dim))
+        vc, vn = _encode(values, self.value_bits, self._rotation(self.value_dim))
         stop = start + L
         self.key_codes[:, :, start:stop] = kc
         self.key_norms[:, :, start:stop] = kn
@@ -570,10 +586,20 @@ class TurboQuantKVCache(_BaseCache):
         if not self.dtype_name:
             self.dtype_name = str(keys.dtype).split(".")[-1]
             self.key_dim, self.value_dim = keys.shape[-1], values.shape[-1]
-        if self._chunk is not None:
+        if self._chunk is not None or self._step_new is not None:
             # The last chunk was never read by `attention`: this model's attention
             # does not go through the hook, so stop handing chunks over.
             self.routed = False
+            self._absorb_step()
+        if keys.shape[2] == 1 and self._steps():
+            # Step mode: `attention` stores the token (one kernel); nothing here.
+            self._step_new = (keys, values)
+            self.offset += 1
+            return keys, values
+        self._leave_step()
+        return self._update(keys, values)
+
+    def _update(self, keys: mx.array, values: mx.array):
         prev, L = self.offset, keys.shape[2]
         n_sink = max(0, min(self.sink_tokens, prev + L) - prev)
         if n_sink:
@@ -617,6 +643,7 @@ class TurboQuantKVCache(_BaseCache):
         Model dtype; `rotated=True` gives float32 in the rotated domain (R k, R v) for
         attention that rotates the query instead.
         """
+        self._settle()
         s = self._n_sink
         parts_k, parts_v = [], []
         if s:
@@ -649,6 +676,7 @@ class TurboQuantKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
+        self._settle()
         n = min(self.offset, n)
         self.offset -= n
         self._chunk = None
@@ -671,7 +699,8 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: sinks, codes and norms (allocated capacity), recent copies."""
+        """Bytes held: sinks, codes and norms (allocated capacity), recent copies
+        (in step mode the window's slots, exact and coded)."""
         arrays = (
             self.sink_keys,
             self.sink_values,
@@ -681,6 +710,7 @@ class TurboQuantKVCache(_BaseCache):
             self.value_norms,
             self.recent_keys,
             self.recent_values,
+            *(self._win or ()),
         )
         return sum(a.nbytes for a in arrays if a is not None)
 
@@ -715,6 +745,7 @@ class TurboQuantKVCache(_BaseCache):
         self.dtype_name = str(dtype_name)
         self.routed = _attention_installed()
         self._chunk = None
+        self._step_new = self._win = None
 
     @property
     def state(self):
@@ -723,6 +754,7 @@ class TurboQuantKVCache(_BaseCache):
         mlx-lm 0.32's save_prompt_cache stores `state` alone (strings included) and
         load_prompt_cache rebuilds with `from_state(state)`.
         """
+        self._settle()
         s = self._n_sink
         sink_k = None if self.sink_keys is None else self.sink_keys[:, :, :s]
         sink_v = None if self.sink_values is None else self.sink_values[:, :, :s]
@@ -760,6 +792,10 @@ class TurboQuantKVCache(_BaseCache):
         """
         if sinks is not None:
             raise ValueError("TurboQuantKVCache attention does not take `sinks`")
+        if self._step_new is not None:
+            if self._step_fits(queries, mask):
+                return self._step_attention(queries, scale)
+            self._absorb_step()
         dtype = queries.dtype
         rot_k = self._rotation(self.key_dim)
         q = (rot_k.forward(queries.astype(mx.float32)) * scale).astype(dtype)
@@ -802,6 +838,176 @@ class TurboQuantKVCache(_BaseCache):
                 rotate(tail[1][:, :, -n:], rot_v),
             )
         return sinks, coded, tail
+
+
+    # -- step mode: a one-token decode step as one kernel (CUDA) -----------------------
+    #
+    # A decode step on the ops path is dozens of small ops per layer, and a GPU step of
+    # a small model is bound by their count, not by bytes. In step mode update_and_fetch
+    # only hands the token over; `attention` runs `turboquant_kernels.step`, which
+    # encodes it into the window's next slot and attends over sinks + codes + window.
+    # Every STEP_BLOCK steps the window's codes go into the big buffers (a few ops).
+    # Anything else (a multi-token update, trim, state, a mask) first settles the cache
+    # back into the ordinary layout, so the rest of the class never sees a window.
+
+    STEP_BLOCK = 32
+
+    @property
+    def _keep(self) -> int:
+        return self._recent_capacity
+
+    def _steps(self) -> bool:
+        """Whether a one-token update takes step mode."""
+        return (
+            STEP_KERNEL
+            and self.routed
+            and self.window >= 1
+            and self.offset >= self.sink_tokens
+            and self.key_dim == self.value_dim
+            and _kernels.available()
+            and _kernels.step_supported(self.key_dim, 1, self.key_bits, self.value_bits)
+        )
+
+    def _step_fits(self, queries: mx.array, mask) -> bool:
+        _, n_heads, L, dim = queries.shape
+        kv_heads = self._step_new[0].shape[1]
+        return (
+            L == 1
+            and not isinstance(mask, mx.array)
+            and n_heads % kv_heads == 0
+            and _kernels.step_supported(dim, n_heads // kv_heads, self.key_bits, self.value_bits)
+        )
+
+    def _absorb_step(self):
+        """The token handed to step mode goes the ordinary way instead."""
+        if self._step_new is None:
+            return
+        keys, values = self._step_new
+        self._step_new = None
+        self.offset -= 1
+        self._leave_step()
+        self._chunk = None
+        self._update(keys, values)
+
+    def _settle(self):
+        """Back to the ordinary layout: every token coded in the big buffers, the
+        recent exact copies in recent_keys / recent_values."""
+        self._absorb_step()
+        self._leave_step()
+
+    def _enter_step(self, B: int, H: int, dtype):
+        p = self.offset - 1  # the handed-over token's position
+        n, slots, dim = self._n_recent, self._keep + self.STEP_BLOCK, self.key_dim
+
+        def exact(recent):
+            fresh = mx.zeros((B, H, slots - n, dim), dtype)
+            return fresh if n == 0 else mx.concatenate([recent[:, :, -n:].astype(dtype), fresh], axis=2)
+
+        kw, vw = packed_words(dim, self.key_bits), packed_words(dim, self.value_bits)
+        self._win = (
+            exact(self.recent_keys),
+            exact(self.recent_values),
+            mx.zeros((B, H, slots, kw), mx.uint32),
+            mx.zeros((B, H, slots, vw), mx.uint32),
+            mx.zeros((B, H, slots), mx.float16),
+            mx.zeros((B, H, slots), mx.float16),
+        )
+        self._win_r0, self._win_n, self._win_cb = p - n, n, p
+        self.recent_keys = self.recent_values = None
+        if self.key_codes is None:
+            self._grow(B, H, 0, 1)
+
+    def _flush_window(self):
+        """The window's codes for positions cb .. r0 + n - 1 into the big buffers."""
+        _, _, wkc, wvc, wkq, wvq = self._win
+        r0, n, cb = self._win_r0, self._win_n, self._win_cb
+        lo = cb - r0
+        if n > lo:
+            t0 = cb - self.sink_tokens
+            t1 = t0 + n - lo
+            self._grow(wkc.shape[0], wkc.shape[1], t0, t1)
+            self.key_codes[:, :, t0:t1] = wkc[:, :, lo:n]
+            self.value_codes[:, :, t0:t1] = wvc[:, :, lo:n]
+            self.key_norms[:, :, t0:t1] = wkq[:, :, lo:n]
+            self.value_norms[:, :, t0:t1] = wvq[:, :, lo:n]
+        self._win_cb = r0 + n
+
+    def _shift_window(self):
+        """Room for the next token: flush, then move the last `_keep` slots to the front."""
+        self._flush_window()
+        wk, wv, *coded = self._win
+        n = self._win_n
+        keep = min(n, self._keep)
+
+        def moved(x):
+            fresh = mx.zeros((*x.shape[:2], x.shape[2] - keep, x.shape[3]), x.dtype)
+            return fresh if keep == 0 else mx.concatenate([x[:, :, n - keep : n], fresh], axis=2)
+
+        self._win = (moved(wk), moved(wv), *coded)
+        self._win_r0 += n - keep
+        self._win_n = keep
+
+    def _leave_step(self):
+        if self._win is None:
+            return
+        self._flush_window()
+        wk, wv = self._win[:2]
+        n = self._win_n
+        keep = min(n, self._keep)
+        self.recent_keys = _detach(wk[:, :, n - keep : n]) if keep else None
+        self.recent_values = _detach(wv[:, :, n - keep : n]) if keep else None
+        self._win = None
+
+    def _step_attention(self, queries: mx.array, scale: float) -> mx.array:
+        keys, values = self._step_new
+        self._step_new = None
+        B, H = keys.shape[:2]
+        if self._win is None:
+            self._enter_step(B, H, keys.dtype)
+        p = self.offset - 1
+        if p - self._win_r0 >= self._win[0].shape[2]:
+            self._shift_window()
+        r0, S = self._win_r0, self.sink_tokens
+        chunks, span = _kernels.step_chunks(p + 1, B * H)
+        if S:
+            sinks = (self.sink_keys, self.sink_values)
+        else:
+            sinks = (_step_constant(("nosink", B, H, self.key_dim, keys.dtype),
+                                    lambda: mx.zeros((B, H, 1, self.key_dim), keys.dtype)),) * 2  # fmt: skip
+        e0 = max(S, p - self.window + 1, r0)
+        fields = (p, S, self.key_codes.shape[2], self._win_cb, r0, chunks, e0, self._win[0].shape[2],
+                  sinks[0].shape[2], span)  # fmt: skip
+        meta = _step_constant(fields, lambda: mx.array(fields, dtype=mx.int32))
+        coded = (self.key_codes, self.key_norms, self.value_codes, self.value_norms)
+        books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits)
+        scale_arr = _step_constant(("scale", scale), lambda: mx.array([scale], mx.float32))
+        out, self._win = _kernels.step(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,
+                                       scale_arr, (self.key_bits, self.value_bits))  # fmt: skip
+        self._win_n = p - r0 + 1
+        return out
+
+
+# One-token decode steps through `turboquant_kernels.step` where it applies (CUDA);
+# False keeps every step on the ops path (benchmarks compare the two).
+STEP_KERNEL = True
+
+_step_constants: dict = {}
+
+
+def _step_constant(key, make):
+    """Small arrays shared by every layer of a step (one host copy, not one per layer)."""
+    if key not in _step_constants:
+        if len(_step_constants) > 256:
+            _step_constants.clear()
+        _step_constants[key] = make()
+    return _step_constants[key]
+
+
+@lru_cache(maxsize=None)
+def _step_books(dim: int, seed: int, key_bits: int, value_bits: int):
+    """(key levels, key edges, value levels, value edges, signs, signs) for `step`."""
+    signs = rotation(dim, seed).signs
+    return (*_codebook_arrays(key_bits), *_codebook_arrays(value_bits), signs, signs)
 
 
 # Use the fused CUDA kernels (turboquant_kernels) where they apply; False keeps the

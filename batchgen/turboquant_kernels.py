@@ -158,3 +158,363 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
     )[0]
     out = partial.sum(axis=1)
     return out[:, :rows] if m != rows else out
+
+
+# ---------------------------------------------------------------------------
+# One decode step over the whole cache, and the encoder it shares with prefill
+#
+# The kernels above serve the ops path one piece at a time; a decode step there
+# is still dozens of small ops per layer (encode the new token, sinks, window,
+# masks, softmax, rotations), which bound it on a GPU at every context length.
+# `step` is the step's whole attention in one kernel plus a small merge:
+#   * block (row, kv head, chunk c) takes positions [c * span, (c + 1) * span),
+#     TILE at a time: scores of the group's G query heads into shared memory
+#     (exact positions against the scaled query, coded ones against the rotated
+#     query: (R q).(R k) = q.k), an online softmax per head, then thread i adds
+#     coordinate i of the probability-weighted values, coded ones in the
+#     rotated domain, exact ones in the plain one;
+#   * `merge` combines the chunks' (max, sum, two accumulators) per query head
+#     and takes the rotated sum back with the inverse rotation;
+#   * the cache's recent positions live in a small window of slots (exact
+#     vectors and their codes) that the first chunk's block copies forward with
+#     the new token in its slot, encoded there by the same routine (`tq_encode_vector`)
+#     that encodes prefill chunks, so a token's codes never depend on the path.
+# Reading rule (as `turboquant._rotated_attention`): position j < S is a sink
+# (exact); e0 <= j <= p exact (the query's window); otherwise codes, from the
+# big buffers below cb, from the window's slot j - r0 above.
+
+_STEP_HEADER = _UNPACK + """
+__host__ __device__ constexpr int tq_gcd32(int b) {
+  int g = 1;
+  while (g < 32 && b % (2 * g) == 0) g *= 2;
+  return g;
+}
+
+__device__ __forceinline__ void tq_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void tq_store(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void tq_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets it.
+__device__ __forceinline__ float tq_block_sum(float v, float* red) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += red[w];
+  return t;
+}
+
+// Unnormalised Walsh-Hadamard transform (natural order, as mx.hadamard_transform
+// times sqrt(D)) of `count` arrays of D floats in shared memory, by the block.
+template <int D>
+__device__ __forceinline__ void tq_wht(float* x, int count) {
+  for (int h = 1; h < D; h <<= 1) {
+    for (int t = threadIdx.x; t < count * (D / 2); t += blockDim.x) {
+      const int a = t / (D / 2), r = t % (D / 2);
+      float* y = x + a * D;
+      const int i = (r / h) * 2 * h + (r % h);
+      const float u = y[i], v = y[i + h];
+      y[i] = u + v;
+      y[i + h] = u - v;
+    }
+    __syncthreads();
+  }
+}
+
+// turboquant.quantize for one vector of D values, by the block: codes of
+// sqrt(D) R x / |x| (R x = H(s * x) / sqrt(D)) against the codebook's edges,
+// packed as pack_codes packs them, and the scale |x| sqrt(D) / |levels|.
+template <int D, int BITS, int W, typename T>
+__device__ void tq_encode_vector(const T* x, const float* sign, const float* tab, const float* edge, float* buf,
+                          unsigned char* idx, float* red, unsigned int* codes, __half* scale) {
+  float part = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = static_cast<float>(x[i]);
+    buf[i] = v;
+    part += v * v;
+  }
+  const float norm = sqrtf(tq_block_sum(part, red));
+  const float inv = 1.0f / fmaxf(norm, 1e-30f);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = buf[i] * inv * sign[i];
+  __syncthreads();
+  tq_wht<D>(buf, 1);
+  float c2 = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float y = buf[i];
+    int k = 0;
+    #pragma unroll
+    for (int e = 0; e < (1 << BITS) - 1; e++) k += y > edge[e];
+    idx[i] = (unsigned char)k;
+    c2 += tab[k] * tab[k];
+  }
+  const float cn = sqrtf(tq_block_sum(c2, red));
+  for (int w = threadIdx.x; w < W; w += blockDim.x) {
+    unsigned int word = 0u;
+    const int first = (32 * w) / BITS, last = min(D - 1, (32 * w + 31) / BITS);
+    for (int i = first; i <= last; i++) {
+      const int sh = i * BITS - 32 * w;
+      word |= sh >= 0 ? ((unsigned int)idx[i] << sh) : ((unsigned int)idx[i] >> (-sh));
+    }
+    codes[w] = word;
+  }
+  if (threadIdx.x == 0) *scale = __float2half_rn(fminf(norm * sqrtf((float)D) / fmaxf(cn, 1e-30f), 65504.0f));
+  __syncthreads();
+}
+"""
+
+_ENCODE = """
+  __shared__ float buf[D], red[32];
+  __shared__ unsigned char idx[D];
+  const size_t r = blockIdx.x;
+  tq_encode_vector<D, BITS, W>(x + r * D, sign, tab, edge, buf, idx, red, codes + r * W, scales + r);
+"""
+
+_STEP = """
+  constexpr int NW = NT / 32;
+  const int p = meta[0], S = meta[1], cap = meta[2], cb = meta[3], r0 = meta[4];
+  const int C = meta[5], e0 = meta[6], N = meta[7], SS = meta[8], span = meta[9];
+  const int bk = blockIdx.x / C, c = blockIdx.x % C, b = bk / HKV, hk = bk % HKV;
+  const int lo = c * span, hi = min(p + 1, lo + span);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const size_t kv = (size_t)bk;
+  __shared__ float qp[G * D], qr[G * D], sc[G * TILE], tk[1 << KB], tv[1 << VB], red[32];
+  __shared__ float fm[G], fl[G], fc[G], ebuf[D];
+  __shared__ unsigned char eidx[D];
+
+  if (c == 0) {  // the window moves forward: every slot copied, the new token into slot p - r0
+    const int slot = p - r0;
+    for (int t = tid; t < N * D; t += NT) {
+      const size_t at = kv * N * D + t;
+      const bool mine = t / D == slot;
+      wk_out[at] = mine ? kn[kv * D + t % D] : wk[at];
+      wv_out[at] = mine ? vn[kv * D + t % D] : wv[at];
+    }
+    for (int t = tid; t < N * WK; t += NT) if (t / WK != slot) wkc_out[kv * N * WK + t] = wkc[kv * N * WK + t];
+    for (int t = tid; t < N * WV; t += NT) if (t / WV != slot) wvc_out[kv * N * WV + t] = wvc[kv * N * WV + t];
+    for (int t = tid; t < N; t += NT) if (t != slot) { wkq_out[kv * N + t] = wkq[kv * N + t]; wvq_out[kv * N + t] = wvq[kv * N + t]; }
+    tq_encode_vector<D, KB, WK>(kn + kv * D, ksign, ktab, kedge, ebuf, eidx, red, wkc_out + (kv * N + slot) * WK, wkq_out + kv * N + slot);
+    tq_encode_vector<D, VB, WV>(vn + kv * D, vsign, vtab, vedge, ebuf, eidx, red, wvc_out + (kv * N + slot) * WV, wvq_out + kv * N + slot);
+  }
+
+  // Scaled queries of the group, plain and rotated (unnormalised: coded scores take 1 / D).
+  const float qs = scale[0];
+  for (int t = tid; t < G * D; t += NT) {
+    const float x = static_cast<float>(q[((size_t)b * HKV * G + hk * G) * D + t]) * qs;
+    qp[t] = x;
+    qr[t] = x * ksign[t % D];
+  }
+  for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
+  for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
+  if (tid < G) { fm[tid] = -INFINITY; fl[tid] = 0.0f; }
+  __syncthreads();
+  tq_wht<D>(qr, G);
+
+  float ar[G], ap[G];
+  #pragma unroll
+  for (int g = 0; g < G; g++) { ar[g] = 0.0f; ap[g] = 0.0f; }
+  const int big_end = min(cb, e0);
+  for (int t0 = lo; t0 < hi; t0 += TILE) {
+    const int t1 = min(hi, t0 + TILE);
+    for (int j = t0 + tid; j < t1; j += NT) {
+      float s[G];
+      #pragma unroll
+      for (int g = 0; g < G; g++) s[g] = 0.0f;
+      if (j < S || j >= e0) {
+        const auto* kr = j < S ? sk + (kv * SS + j) * D : (j == p ? kn + kv * D : wk + (kv * N + j - r0) * D);
+        for (int i = 0; i < D; i++) {
+          const float x = static_cast<float>(kr[i]);
+          #pragma unroll
+          for (int g = 0; g < G; g++) s[g] += qp[g * D + i] * x;
+        }
+      } else {
+        const bool big = j < cb;
+        const unsigned int* row = big ? kc + (kv * cap + j - S) * WK : wkc + (kv * N + j - r0) * WK;
+        const float f = __half2float(big ? kq[kv * cap + j - S] : wkq[kv * N + j - r0]) * (1.0f / D);
+        // A group of codes fills whole words (32 / gcd(KB, 32) codes): its words in
+        // registers, its codes unrolled; the groups are not (registers).
+        constexpr int GC = 32 / tq_gcd32(KB), GW = KB / tq_gcd32(KB);
+        for (int gi = 0; gi < D / GC; gi++) {
+          unsigned int w[GW];
+          #pragma unroll
+          for (int x = 0; x < GW; x++) w[x] = row[gi * GW + x];
+          #pragma unroll
+          for (int u = 0; u < GC; u++) {
+            const float x = tk[tq_code<KB>(w, u)];
+            #pragma unroll
+            for (int g = 0; g < G; g++) s[g] += qr[g * D + gi * GC + u] * x;
+          }
+        }
+        #pragma unroll
+        for (int g = 0; g < G; g++) s[g] *= f;
+      }
+      #pragma unroll
+      for (int g = 0; g < G; g++) sc[g * TILE + j - t0] = s[g];
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += NW) {  // online softmax, a warp per head
+      float mt = -INFINITY;
+      for (int t = lane; t < t1 - t0; t += 32) mt = fmaxf(mt, sc[g * TILE + t]);
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
+      const float mo = fm[g], mn = fmaxf(mo, mt);
+      float lt = 0.0f;
+      for (int t = lane; t < t1 - t0; t += 32) {
+        const float e = expf(sc[g * TILE + t] - mn);
+        sc[g * TILE + t] = e;
+        lt += e;
+      }
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffff, lt, o);
+      __syncwarp();
+      if (lane == 0) {
+        const float f = expf(mo - mn);
+        fc[g] = f;
+        fl[g] = fl[g] * f + lt;
+        fm[g] = mn;
+      }
+    }
+    __syncthreads();
+    if (tid < D) {
+      const int i = tid;
+      #pragma unroll
+      for (int g = 0; g < G; g++) { ar[g] *= fc[g]; ap[g] *= fc[g]; }
+      for (int j = t0; j < min(t1, S); j++) {
+        const float x = static_cast<float>(sv[(kv * SS + j) * D + i]);
+        #pragma unroll
+        for (int g = 0; g < G; g++) ap[g] += sc[g * TILE + j - t0] * x;
+      }
+      for (int j = max(t0, S); j < min(t1, big_end); j++) {
+        const float x = tv[tq_code<VB>(vc + (kv * cap + j - S) * WV, i)] * __half2float(vq[kv * cap + j - S]);
+        #pragma unroll
+        for (int g = 0; g < G; g++) ar[g] += sc[g * TILE + j - t0] * x;
+      }
+      for (int j = max(t0, max(cb, S)); j < min(t1, e0); j++) {
+        const float x = tv[tq_code<VB>(wvc + (kv * N + j - r0) * WV, i)] * __half2float(wvq[kv * N + j - r0]);
+        #pragma unroll
+        for (int g = 0; g < G; g++) ar[g] += sc[g * TILE + j - t0] * x;
+      }
+      for (int j = max(t0, max(e0, S)); j < min(t1, p + 1); j++) {
+        const float x = static_cast<float>(j == p ? vn[kv * D + i] : wv[(kv * N + j - r0) * D + i]);
+        #pragma unroll
+        for (int g = 0; g < G; g++) ap[g] += sc[g * TILE + j - t0] * x;
+      }
+    }
+    __syncthreads();
+  }
+  if (tid < D) {
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 2);
+      o[tid] = ar[g];
+      o[D + tid] = ap[g];
+      if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
+    }
+  }
+"""
+
+_MERGE = """
+  __shared__ float y[D];
+  const int bh = blockIdx.x, i = threadIdx.x, C = meta[5];
+  const float* pb = part + (size_t)bh * C * (2 * D + 2);
+  float M = -INFINITY;
+  for (int c = 0; c < C; c++) M = fmaxf(M, pb[(size_t)c * (2 * D + 2) + 2 * D]);
+  float L = 0.0f, r = 0.0f, a = 0.0f;
+  for (int c = 0; c < C; c++) {
+    const float* pc = pb + (size_t)c * (2 * D + 2);
+    const float f = expf(pc[2 * D] - M);
+    L += pc[2 * D + 1] * f;
+    r += pc[i] * f;
+    a += pc[D + i] * f;
+  }
+  y[i] = r;
+  __syncthreads();
+  tq_wht<D>(y, 1);
+  tq_store(out + (size_t)bh * D + i, (a + y[i] * vsign[i] * (1.0f / D)) / L);
+"""
+
+STEP_TILE = 128  # positions scored per shared-memory tile
+STEP_BLOCKS = 256  # chunks aimed at per step and layer (x kv heads), enough to fill the GPU
+
+
+def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool:
+    """Shapes `step` takes: power-of-two head dims 64..256 (the rotation is a
+    Hadamard transform in shared memory), up to 16 query heads per kv head."""
+    return dim in (64, 128, 256) and 1 <= group <= 16 and group * dim <= 2048 and max(key_bits, value_bits) <= 5
+
+
+def _threads(dim: int) -> int:
+    return max(128, dim)
+
+
+@lru_cache(maxsize=None)
+def _step_kernel(name: str):
+    specs = {
+        "tq_encode": (["x", "sign", "tab", "edge"], ["codes", "scales"], _ENCODE),
+        "tq_step": (
+            ["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wk", "wv", "wkc", "wvc", "wkq", "wvq",
+             "ktab", "kedge", "vtab", "vedge", "ksign", "vsign", "meta", "scale"],
+            ["part", "wk_out", "wv_out", "wkc_out", "wvc_out", "wkq_out", "wvq_out"],
+            _STEP,
+        ),
+        "tq_merge": (["part", "vsign", "meta"], ["out"], _MERGE),
+    }  # fmt: skip
+    inputs, outputs, source = specs[name]
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source, header=_STEP_HEADER)
+
+
+def encode(x: mx.array, sign: mx.array, table: mx.array, edges: mx.array, bits: int):
+    """turboquant.quantize on the GPU: x (..., D) -> codes (..., W) uint32, scales (...) float16."""
+    dim = x.shape[-1]
+    words = -(-dim * bits // 32)
+    rows = x.size // dim
+    codes, scales = _step_kernel("tq_encode")(
+        inputs=[x, sign, table, edges],
+        template=[("D", dim), ("BITS", bits), ("W", words)],
+        grid=(rows * _threads(dim), 1, 1),
+        threadgroup=(_threads(dim), 1, 1),
+        output_shapes=[(*x.shape[:-1], words), x.shape[:-1]],
+        output_dtypes=[mx.uint32, mx.float16],
+    )
+    return codes, scales
+
+
+def step_chunks(positions: int, rows: int) -> tuple:
+    """(chunks, span): positions split into chunks of whole tiles, about
+    STEP_BLOCKS blocks over `rows` (batch x kv heads)."""
+    tiles = -(-positions // STEP_TILE)
+    per = max(1, -(-tiles * rows // STEP_BLOCKS))
+    span = per * STEP_TILE
+    return -(-positions // span), span
+
+
+def step(q, new, sinks, coded, window, books, meta, chunks: int, scale: mx.array, bits: tuple):
+    """One decode step's attention (see above). q (B, Hq, 1, D); new = (k, v)
+    (B, Hkv, 1, D); sinks = (k, v) (B, Hkv, SS, D); coded = (kc, kq, vc, vq) the
+    big buffers; window = (wk, wv, wkc, wvc, wkq, wvq) (B, Hkv, N, ...); books =
+    (ktab, kedge, vtab, vedge, ksign, vsign); meta int32 [p, S, cap, cb, r0,
+    chunks, e0, N, SS, span]. Returns (out (B, Hq, 1, D) in q's dtype, the
+    window's next arrays)."""
+    B, n_heads, _, dim = q.shape
+    kv_heads = new[0].shape[1]
+    kb, vb = bits
+    threads = _threads(dim)
+    outs = _step_kernel("tq_step")(
+        inputs=[q, *new, *sinks, *coded, *window, *books, meta, scale],
+        template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb),
+                  ("WK", coded[0].shape[-1]), ("WV", coded[2].shape[-1]), ("NT", threads), ("TILE", STEP_TILE)],
+        grid=(B * kv_heads * chunks * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(B * n_heads, chunks, 2 * dim + 2)] + [w.shape for w in window],
+        output_dtypes=[mx.float32] + [w.dtype for w in window],
+    )  # fmt: skip
+    out = _step_kernel("tq_merge")(
+        inputs=[outs[0], books[5], meta],
+        template=[("D", dim)],
+        grid=(B * n_heads * dim, 1, 1),
+        threadgroup=(dim, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]
+    return out, tuple(outs[1:])

@@ -3,7 +3,7 @@
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
-#    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels)
+#    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -33,6 +33,7 @@ step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, print its tail
   local rc=$?
   echo "=== $name rc=$rc $((SECONDS - t0))s"
   tail -n 3 "$R/$name.log"
+  return $rc
 }
 
 stage_env() {
@@ -183,8 +184,14 @@ stage_tp05() {  # issue 8: the 0.5B shape alone, with time to finish
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b.json"
 }
 
+stage_tqstep() {  # issue 7: the one-kernel decode step against its reference (stops the call if it fails), speed
+  step tqs_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_step.py || return 1
+  step tqs_attention 150 python3 bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 \
+    --out "$R/turboquant_attention.json"
+}
+
 stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache
-  for s in qwen2.5-0.5b qwen2.5-7b; do
+  for s in ${TQ_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
     for n in 1024 8192 32768; do
       step "tq_${s}_${n}" 150 $BG --shape "$s" --model "$DEMO" --synthetic "$n" --synthetic-jobs 2 --max-tokens 64 \
         --draft none --no-prompt-cache --no-fuse --kv-cache turboquant --kv-bits 4 --out "$R/tq_${s}_${n}.json"
@@ -192,5 +199,5 @@ stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cach
   done
 }
 
-for s in "$@"; do "stage_$s"; done
+for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
 (cd "$OUT" && tar czf results.tgz results && rm -rf results)

@@ -1,0 +1,252 @@
+"""TurboQuant's step mode: a one-token decode step as one kernel over a window of slots.
+
+The kernel (`turboquant_kernels.step`) runs only on CUDA. `reference_step` is the same
+contract as plain ops (encode the new token into its slot, attend over sinks + codes +
+exact window by the reading rule), so on the CPU the cache's bookkeeping around the
+kernel (entering, window flushes and shifts, leaving for trims, chunks and state) is
+checked against the ordinary ops path; on CUDA the kernel is checked against this
+reference (skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from batchgen import turboquant as tq
+from batchgen import turboquant_kernels as kernels
+
+from test_turboquant import kv, random_tokens, teacher_forced_logits
+
+
+def _rotation(signs):
+    return SimpleNamespace(forward=lambda x: mx.hadamard_transform(x * signs), dim=signs.shape[0])
+
+
+def _inverse(y, signs):
+    return mx.hadamard_transform(y) * signs
+
+
+def reference_encode(x, signs, table, edges, bits):
+    return tq.quantize(x, bits, _rotation(signs))
+
+
+def reference_step(q, new, sinks, coded, window, books, meta, chunks, scale, bits):
+    """`turboquant_kernels.step` as plain ops (float32 inside)."""
+    p, S, _, cb, r0, _, e0, _, _, _ = (int(x) for x in np.array(meta))
+    kb, vb = bits
+    signs = books[4]
+    k_new, v_new = new
+    wk, wv, wkc, wvc, wkq, wvq = window
+    kc, kq, vc, vq = coded
+    dim = k_new.shape[-1]
+    slot = p - r0
+
+    def put(buf, x):
+        return mx.concatenate([buf[:, :, :slot], x.astype(buf.dtype), buf[:, :, slot + 1 :]], axis=2)
+
+    ck, sk_ = tq.quantize(k_new, kb, _rotation(signs))
+    cv, sv_ = tq.quantize(v_new, vb, _rotation(signs))
+    out_window = (put(wk, k_new), put(wv, v_new), put(wkc, ck), put(wvc, cv),
+                  put(wkq[..., None], sk_[..., None])[..., 0], put(wvq[..., None], sv_[..., None])[..., 0])  # fmt: skip
+
+    def decoded(codes, scales, b, lo, hi):
+        return _inverse(tq.dequantize_rotated(codes[:, :, lo:hi], scales[:, :, lo:hi], b, dim), signs)
+
+    def positions(sink, big_c, big_s, win_c, win_s, exact, newest, b):
+        parts = [sink[:, :, :S].astype(mx.float32)]
+        big_end = min(cb, e0)
+        if big_end > S:
+            parts.append(decoded(big_c, big_s, b, 0, big_end - S))
+        if e0 > max(cb, S):
+            parts.append(decoded(win_c, win_s, b, max(cb, S) - r0, e0 - r0))
+        parts.append(exact[:, :, max(e0, S) - r0 : p - r0].astype(mx.float32))
+        parts.append(newest.astype(mx.float32))
+        return mx.concatenate(parts, axis=2)
+
+    keys = positions(sinks[0], kc, kq, wkc, wkq, wk, k_new, kb)
+    values = positions(sinks[1], vc, vq, wvc, wvq, wv, v_new, vb)
+    assert keys.shape[2] == p + 1
+    B, n_heads, _, _ = q.shape
+    group = n_heads // keys.shape[1]
+    qg = q.astype(mx.float32).reshape(B, keys.shape[1], group, 1, dim) * scale[0]
+    probs = mx.softmax(qg @ keys[:, :, None].swapaxes(-1, -2), axis=-1, precise=True)
+    out = (probs @ values[:, :, None]).reshape(q.shape)
+    return out.astype(q.dtype), out_window
+
+
+@pytest.fixture
+def step_on_cpu(monkeypatch):
+    """Step mode on this CPU with the reference in the kernel's place."""
+    if kernels.available():
+        pytest.skip("the GPU runs the real kernel (test_step_kernel_matches_reference)")
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    monkeypatch.setattr(kernels, "step", reference_step)
+    monkeypatch.setattr(kernels, "encode", reference_encode)
+    monkeypatch.setattr(kernels, "step_supported", lambda dim, group, kb, vb: dim in (16, 64, 128))
+    monkeypatch.setattr(tq, "FUSED_KERNELS", False)
+
+
+def drive(cache, schedule, k, v, q):
+    """Feed chunks ("trim", n) or n tokens; attention for each; outputs in order."""
+    start, outs = 0, []
+    for item in schedule:
+        if isinstance(item, tuple):
+            cache.trim(item[1])
+            start -= item[1]
+            continue
+        cache.update_and_fetch(k[:, :, start : start + item], v[:, :, start : start + item])
+        mask = "causal" if item > 1 else None
+        outs.append(cache.attention(q[:, :, start : start + item], scale=0.125, mask=mask))
+        start += item
+    return outs
+
+
+def same_stored(a, b):
+    a._settle()
+    b._settle()
+    assert a.offset == b.offset
+    n = a._n_coded
+    for x, y in ((a.key_codes, b.key_codes), (a.value_codes, b.value_codes),
+                 (a.key_norms, b.key_norms), (a.value_norms, b.value_norms)):  # fmt: skip
+        assert mx.array_equal(x[:, :, :n], y[:, :, :n])
+    for x, y in ((a.recent_keys, b.recent_keys), (a.recent_values, b.recent_values),
+                 (a.sink_keys, b.sink_keys)):  # fmt: skip
+        assert (x is None and y is None) or mx.array_equal(x, y)
+
+
+SCHEDULES = {
+    # 90 steps cross the 44-slot window twice (8 - 1 + 5 kept + 32 new).
+    "steps": [40] + [1] * 90,
+    # prompt-lookup: verify chunks and trims between steps, a trim past the reserve.
+    "pld": [30] + [1] * 20 + [6, ("trim", 4)] + [1] * 40 + [5, ("trim", 9)] + [1] * 30,
+    "short prompt": [3] + [1] * 60,
+}
+
+
+@pytest.mark.parametrize("options", [{}, {"sink_tokens": 0}, {"window": 1, "trim_reserve": 0}, {"bits": 3}])
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_step_mode_matches_the_ops_path(step_on_cpu, name, options):
+    schedule = SCHEDULES[name]
+    total = sum(x for x in schedule if isinstance(x, int))
+    k, v = kv(total, 21)
+    q = mx.random.normal((1, 4, total, 64), key=mx.random.key(22))
+    stepped = tq.TurboQuantKVCache(**options)
+    stepped.routed = True
+    plain = tq.TurboQuantKVCache(**options)
+    plain.routed = True
+    got = drive(stepped, schedule, k, v, q)
+    assert stepped._win is not None  # it ended in step mode
+    tq.STEP_KERNEL = False
+    try:
+        want = drive(plain, schedule, k, v, q)
+    finally:
+        tq.STEP_KERNEL = True
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert mx.allclose(x, y, atol=1e-5), (i, mx.abs(x - y).max())
+    same_stored(stepped, plain)
+
+
+def test_step_mode_counts_its_window_and_settles_for_state(step_on_cpu):
+    k, v = kv(60, 3)
+    q = mx.random.normal((1, 4, 60, 64), key=mx.random.key(4))
+    c = tq.TurboQuantKVCache(4)
+    c.routed = True
+    drive(c, [20] + [1] * 40, k, v, q)
+    assert c._win is not None and c.recent_keys is None
+    assert c.nbytes == sum(a.nbytes for a in (c.sink_keys, c.sink_values, c.key_codes, c.key_norms,
+                                              c.value_codes, c.value_norms, *c._win))  # fmt: skip
+    restored = tq.TurboQuantKVCache.from_state(c.state)  # settles first
+    assert c._win is None and c.recent_keys.shape[2] == c._keep
+    assert restored.offset == 60
+    for x, y in zip(restored.keys_and_values(), c.keys_and_values()):
+        assert mx.array_equal(x, y)
+
+
+def test_step_handed_over_but_never_attended_goes_the_ordinary_way(step_on_cpu):
+    k, v = kv(30, 5)
+    c = tq.TurboQuantKVCache(4)
+    c.routed = True
+    c.update_and_fetch(k[:, :, :20], v[:, :, :20])
+    c.attention(mx.zeros((1, 4, 20, 64)), scale=0.125, mask="causal")
+    c.update_and_fetch(k[:, :, 20:21], v[:, :, 20:21])  # step mode: handed over
+    assert c._step_new is not None
+    c.update_and_fetch(k[:, :, 21:22], v[:, :, 21:22])  # no attention came
+    assert not c.routed and c._step_new is None and c.offset == 22
+    plain = tq.TurboQuantKVCache(4)
+    plain.update_and_fetch(k[:, :, :22], v[:, :, :22])
+    same_stored(c, plain)
+
+
+def test_model_decodes_the_same_in_step_mode(step_on_cpu, model_dir):
+    """Through the attention hook, grouped-query heads, every layer: float32 logits of
+    a teacher-forced decode equal the ops path's."""
+    model, _ = mlx_lm.load(str(model_dir("qwen3")))
+    tokens = random_tokens(120, seed=5)
+    cache = tq.make_turboquant_cache(model, 4)
+    stepped = teacher_forced_logits(model, tokens, cache, 30)
+    assert all(c._win is not None for c in cache)
+    tq.STEP_KERNEL = False
+    try:
+        plain = teacher_forced_logits(model, tokens, tq.make_turboquant_cache(model, 4), 30)
+    finally:
+        tq.STEP_KERNEL = True
+    assert mx.allclose(stepped, plain, atol=1e-4), mx.abs(stepped - plain).max()
+
+
+# ---------------------------------------------------------------------------
+# CUDA: the kernels against the reference
+
+cuda = pytest.mark.skipif(not kernels.available(), reason="needs MLX with a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("dim,bits", [(64, 5), (128, 3), (128, 2)])
+def test_encode_kernel_matches_quantize(dim, bits):
+    x = mx.random.normal((2, 3, 50, dim), key=mx.random.key(1))
+    rot = tq.rotation(dim, 3)
+    levels, edges = tq._codebook_arrays(bits)
+    codes, scales = kernels.encode(x, rot.signs, levels, edges, bits)
+    want_codes, want_scales = tq.quantize(x, bits, rot)
+    got = np.array(tq.unpack_codes(codes, bits, dim))
+    want = np.array(tq.unpack_codes(want_codes, bits, dim))
+    # float32 sums in another order may move a coordinate that sits on an edge.
+    assert (got != want).mean() < 1e-3
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    assert mx.allclose(scales.astype(mx.float32), want_scales.astype(mx.float32), rtol=2e-3)
+
+
+@cuda
+@pytest.mark.parametrize("heads,dim,n,dtype", [((14, 2), 64, 700, mx.float32), ((28, 4), 128, 3000, mx.float32),
+                                               ((7, 1), 128, 300, mx.bfloat16)])  # fmt: skip
+def test_step_kernel_matches_reference(heads, dim, n, dtype):
+    """Many steps (window shifts, chunk splits), kernel vs reference on the same
+    cache state each step: outputs within float32 rounding (bf16: 2e-2), windows equal."""
+    n_heads, kv_heads = heads
+    total = n + 80
+    k, v = kv(total, 31, heads=kv_heads, dim=dim, dtype=dtype)
+    q = mx.random.normal((1, n_heads, total, dim), key=mx.random.key(32)).astype(dtype)
+    c = tq.TurboQuantKVCache(4)
+    c.routed = True
+    c.update_and_fetch(k[:, :, :n], v[:, :, :n])
+    c.attention(q[:, :, n - 1 :], scale=dim**-0.5, mask=None)  # consumes the chunk
+    real = kernels.step
+    tol = 2e-2 if dtype == mx.bfloat16 else 2e-4
+    for t in range(n, total):
+        c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        calls = []
+        kernels.step = lambda *a: calls.append(a) or real(*a)
+        try:
+            out = c.attention(q[:, :, t : t + 1], scale=dim**-0.5, mask=None)
+        finally:
+            kernels.step = real
+        want, want_window = reference_step(*calls[0])
+        err = mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        assert err <= tol * max(1.0, mx.abs(want).max().item()), (t, err)
+        slot = t - c._win_r0
+        for got_w, ref_w in zip(c._win[:2], want_window[:2]):
+            assert mx.array_equal(got_w[:, :, : slot + 1], ref_w[:, :, : slot + 1]), t
