@@ -806,8 +806,9 @@ class TurboQuantKVCache(_BaseCache):
         L_q = q.shape[2]
         outs = []
         # Blocks of queries bound the (L_q x offset) scores of long prefill chunks.
-        for lo in range(0, L_q, _QUERY_BLOCK):
-            hi = min(L_q, lo + _QUERY_BLOCK)
+        block = query_block(q.shape[1], self.offset)
+        for lo in range(0, L_q, block):
+            hi = min(L_q, lo + block)
             m = mask[..., lo:hi, :] if isinstance(mask, mx.array) else mask
             end = self.offset - (L_q - hi)
             outs.append(_rotated_attention(q[:, :, lo:hi], parts, end, self.window, m))
@@ -1025,6 +1026,17 @@ class CodedHistory:
     def __init__(self, cache: "TurboQuantKVCache", dtype):
         self.cache, self.dtype, self.n = cache, dtype, cache._n_coded
         self.n_kv_heads = cache.key_codes.shape[1]
+        self._decoded = {}  # ops path: codebook values, once per call (not per query block)
+
+    def _values_of(self, which: str) -> mx.array:
+        """Codebook values (model dtype, not yet scaled) of the keys ("k") or values ("v")."""
+        if which not in self._decoded:
+            c = self.cache
+            keys = which == "k"
+            words = c.key_codes if keys else c.value_codes
+            bits, dim = (c.key_bits, c.key_dim) if keys else (c.value_bits, c.value_dim)
+            self._decoded[which] = _levels(words[:, :, : self.n], bits, dim).astype(self.dtype)
+        return self._decoded[which]
 
     def _fused(self, rows: int, dim: int, bits: int) -> bool:
         return FUSED_KERNELS and _kernels.available() and _kernels.supported(rows, dim, bits)
@@ -1039,7 +1051,7 @@ class CodedHistory:
             table, _ = _codebook_arrays(c.key_bits)
             s = _kernels.scores(q.reshape(B * H, G * L, d).astype(mx.float32), codes, scales, table, c.key_bits, n)
             return s.reshape(B, H, G, L, n)
-        k = _levels(c.key_codes[:, :, :n], c.key_bits, d).astype(self.dtype)
+        k = self._values_of("k")
         s = (q @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
         return s * (c.key_norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d)))[:, :, None, None, :]
 
@@ -1053,7 +1065,7 @@ class CodedHistory:
             table, _ = _codebook_arrays(c.value_bits)
             o = _kernels.values(p.reshape(B * H, G * L, n), codes, table, c.value_bits, d)
             return o.reshape(B, H, G, L, d).astype(self.dtype)
-        v = _levels(c.value_codes[:, :, :n], c.value_bits, d).astype(self.dtype)
+        v = self._values_of("v")
         return p.astype(self.dtype) @ v[:, :, None]
 
 
@@ -1063,7 +1075,15 @@ def _levels(words: mx.array, bits: int, dim: int) -> mx.array:
     return mx.take(table, unpack_codes(words, bits, dim))
 
 
-_QUERY_BLOCK = 512
+_SCORE_BYTES = 256 << 20
+
+
+def query_block(n_q_heads: int, keys: int) -> int:
+    """Queries attended together in a prefill chunk: their float32 scores over
+    `keys` positions stay within _SCORE_BYTES (a 2048-token chunk at 32k context
+    held ~1 GB of scores per layer in blocks of 512: 32 GB peak for a 0.5B model,
+    H200), at least 16, at most 512."""
+    return max(16, min(512, _SCORE_BYTES // (4 * n_q_heads * max(keys, 1))))
 
 
 def _rotated_attention(q, parts, end, window, mask):

@@ -177,7 +177,7 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 #     and takes the rotated sum back with the inverse rotation;
 #   * the cache's recent positions live in a small window of slots (exact
 #     vectors and their codes) that the first chunk's block copies forward with
-#     the new token in its slot, encoded there by the same routine (`tq_encode_vector`)
+#     the new token in its slot, encoded there by the same routine (`tq_encode_warp`)
 #     that encodes prefill chunks, so a token's codes never depend on the path.
 # Reading rule (as `turboquant._rotated_attention`): position j < S is a sink
 # (exact); e0 <= j <= p exact (the query's window); otherwise codes, from the
@@ -193,18 +193,6 @@ __host__ __device__ constexpr int tq_gcd32(int b) {
 __device__ __forceinline__ void tq_store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void tq_store(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void tq_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-
-// Sum over the block (blockDim.x a multiple of 32); every thread gets it.
-__device__ __forceinline__ float tq_block_sum(float v, float* red) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float t = 0.0f;
-  for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += red[w];
-  return t;
-}
 
 // Unnormalised Walsh-Hadamard transform (natural order, as mx.hadamard_transform
 // times sqrt(D)) of `count` arrays of D floats in shared memory, by the block.
@@ -223,34 +211,63 @@ __device__ __forceinline__ void tq_wht(float* x, int count) {
   }
 }
 
-// turboquant.quantize for one vector of D values, by the block: codes of
-// sqrt(D) R x / |x| (R x = H(s * x) / sqrt(D)) against the codebook's edges,
-// packed as pack_codes packs them, and the scale |x| sqrt(D) / |levels|.
+// turboquant.quantize for one vector of D values, by one warp (no block-wide
+// barrier, so that any warp of any block can take it): codes of sqrt(D) R x / |x|
+// (R x = H(s * x) / sqrt(D); lane l holds coordinates l * D/32 ..) against the
+// codebook's edges, packed as pack_codes packs them, and the scale
+// |x| sqrt(D) / |levels|. `idx`: D bytes of shared memory for this warp.
 template <int D, int BITS, int W, typename T>
-__device__ void tq_encode_vector(const T* x, const float* sign, const float* tab, const float* edge, float* buf,
-                          unsigned char* idx, float* red, unsigned int* codes, __half* scale) {
+__device__ void tq_encode_warp(const T* x, const float* sign, const float* tab, const float* edge,
+                               unsigned char* idx, unsigned int* codes, __half* scale) {
+  constexpr int PER = D / 32;
+  const int lane = threadIdx.x & 31;
+  float y[PER];
   float part = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    const float v = static_cast<float>(x[i]);
-    buf[i] = v;
-    part += v * v;
+  #pragma unroll
+  for (int e = 0; e < PER; e++) {
+    y[e] = static_cast<float>(x[lane * PER + e]);
+    part += y[e] * y[e];
   }
-  const float norm = sqrtf(tq_block_sum(part, red));
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffff, part, o);
+  const float norm = sqrtf(part);
   const float inv = 1.0f / fmaxf(norm, 1e-30f);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) buf[i] = buf[i] * inv * sign[i];
-  __syncthreads();
-  tq_wht<D>(buf, 1);
+  #pragma unroll
+  for (int e = 0; e < PER; e++) y[e] = y[e] * inv * sign[lane * PER + e];
+  // Walsh-Hadamard butterflies: index bits below PER inside a lane, the rest across
+  // lanes (partner lane ^ m holds the same e; the one with the bit set takes a - b).
+  #pragma unroll
+  for (int h = 1; h < PER; h <<= 1) {
+    #pragma unroll
+    for (int e = 0; e < PER; e++) {
+      if (!(e & h)) {
+        const float a = y[e], b = y[e + h];
+        y[e] = a + b;
+        y[e + h] = a - b;
+      }
+    }
+  }
+  #pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    #pragma unroll
+    for (int e = 0; e < PER; e++) {
+      const float other = __shfl_xor_sync(0xffffffff, y[e], m);
+      y[e] = (lane & m) ? other - y[e] : y[e] + other;
+    }
+  }
   float c2 = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    const float y = buf[i];
+  #pragma unroll
+  for (int e = 0; e < PER; e++) {
     int k = 0;
     #pragma unroll
-    for (int e = 0; e < (1 << BITS) - 1; e++) k += y > edge[e];
-    idx[i] = (unsigned char)k;
+    for (int t = 0; t < (1 << BITS) - 1; t++) k += y[e] > edge[t];
+    idx[lane * PER + e] = (unsigned char)k;
     c2 += tab[k] * tab[k];
   }
-  const float cn = sqrtf(tq_block_sum(c2, red));
-  for (int w = threadIdx.x; w < W; w += blockDim.x) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) c2 += __shfl_xor_sync(0xffffffff, c2, o);
+  __syncwarp();
+  for (int w = lane; w < W; w += 32) {
     unsigned int word = 0u;
     const int first = (32 * w) / BITS, last = min(D - 1, (32 * w + 31) / BITS);
     for (int i = first; i <= last; i++) {
@@ -259,16 +276,15 @@ __device__ void tq_encode_vector(const T* x, const float* sign, const float* tab
     }
     codes[w] = word;
   }
-  if (threadIdx.x == 0) *scale = __float2half_rn(fminf(norm * sqrtf((float)D) / fmaxf(cn, 1e-30f), 65504.0f));
-  __syncthreads();
+  if (lane == 0) *scale = __float2half_rn(fminf(norm * sqrtf((float)D) / fmaxf(sqrtf(c2), 1e-30f), 65504.0f));
+  __syncwarp();
 }
 """
 
 _ENCODE = """
-  __shared__ float buf[D], red[32];
   __shared__ unsigned char idx[D];
-  const size_t r = blockIdx.x;
-  tq_encode_vector<D, BITS, W>(x + r * D, sign, tab, edge, buf, idx, red, codes + r * W, scales + r);
+  const size_t r = blockIdx.x;  // one warp a vector
+  tq_encode_warp<D, BITS, W>(x + r * D, sign, tab, edge, idx, codes + r * W, scales + r);
 """
 
 _STEP = """
@@ -279,24 +295,30 @@ _STEP = """
   const int lo = c * span, hi = min(p + 1, lo + span);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t kv = (size_t)bk;
-  __shared__ float qp[G * D], qr[G * D], sc[G * TILE], tk[1 << KB], tv[1 << VB], red[32];
-  __shared__ float fm[G], fl[G], fc[G], ebuf[D];
-  __shared__ unsigned char eidx[D];
+  __shared__ float qp[G * D], qr[G * D], sc[G * TILE], tk[1 << KB], tv[1 << VB];
+  __shared__ float fm[G], fl[G], fc[G], svs[TILE];
+  __shared__ unsigned int svc[TILE * WV];
+  __shared__ unsigned char eidx[2 * D];
 
-  if (c == 0) {  // the window moves forward: every slot copied, the new token into slot p - r0
-    const int slot = p - r0;
-    for (int t = tid; t < N * D; t += NT) {
-      const size_t at = kv * N * D + t;
-      const bool mine = t / D == slot;
-      wk_out[at] = mine ? kn[kv * D + t % D] : wk[at];
-      wv_out[at] = mine ? vn[kv * D + t % D] : wv[at];
+  // The window moves forward: block c copies the slots s = c (mod C), the new token
+  // into slot p - r0; two warps of the last block (the fewest positions) encode it.
+  const int slot = p - r0;
+  for (int s = c; s < N; s += C) {
+    const size_t row = kv * N + s;
+    for (int t = tid; t < D; t += NT) {
+      wk_out[row * D + t] = s == slot ? kn[kv * D + t] : wk[row * D + t];
+      wv_out[row * D + t] = s == slot ? vn[kv * D + t] : wv[row * D + t];
     }
-    for (int t = tid; t < N * WK; t += NT) if (t / WK != slot) wkc_out[kv * N * WK + t] = wkc[kv * N * WK + t];
-    for (int t = tid; t < N * WV; t += NT) if (t / WV != slot) wvc_out[kv * N * WV + t] = wvc[kv * N * WV + t];
-    for (int t = tid; t < N; t += NT) if (t != slot) { wkq_out[kv * N + t] = wkq[kv * N + t]; wvq_out[kv * N + t] = wvq[kv * N + t]; }
-    tq_encode_vector<D, KB, WK>(kn + kv * D, ksign, ktab, kedge, ebuf, eidx, red, wkc_out + (kv * N + slot) * WK, wkq_out + kv * N + slot);
-    tq_encode_vector<D, VB, WV>(vn + kv * D, vsign, vtab, vedge, ebuf, eidx, red, wvc_out + (kv * N + slot) * WV, wvq_out + kv * N + slot);
+    if (s == slot) continue;
+    for (int t = tid; t < WK; t += NT) wkc_out[row * WK + t] = wkc[row * WK + t];
+    for (int t = tid; t < WV; t += NT) wvc_out[row * WV + t] = wvc[row * WV + t];
+    if (tid == 0) { wkq_out[row] = wkq[row]; wvq_out[row] = wvq[row]; }
   }
+  const size_t at = kv * N + slot;
+  if (c == C - 1 && warp == 0)
+    tq_encode_warp<D, KB, WK>(kn + kv * D, ksign, ktab, kedge, eidx, wkc_out + at * WK, wkq_out + at);
+  if (c == C - 1 && warp == 1)
+    tq_encode_warp<D, VB, WV>(vn + kv * D, vsign, vtab, vedge, eidx + D, wvc_out + at * WV, wvq_out + at);
 
   // Scaled queries of the group, plain and rotated (unnormalised: coded scores take 1 / D).
   const float qs = scale[0];
@@ -314,9 +336,17 @@ _STEP = """
   float ar[G], ap[G];
   #pragma unroll
   for (int g = 0; g < G; g++) { ar[g] = 0.0f; ap[g] = 0.0f; }
-  const int big_end = min(cb, e0);
   for (int t0 = lo; t0 < hi; t0 += TILE) {
     const int t1 = min(hi, t0 + TILE);
+    // The tile's coded values (codes, scales) into shared memory in one coalesced
+    // pass: thread i then reads them there, not position after position from memory.
+    const int c0 = max(t0, S), c1 = min(t1, e0);
+    for (int t = tid; t < (c1 - c0) * WV; t += NT) {
+      const int j = c0 + t / WV, x = t % WV;
+      svc[(j - t0) * WV + x] = j < cb ? vc[(kv * cap + j - S) * WV + x] : wvc[(kv * N + j - r0) * WV + x];
+    }
+    for (int j = c0 + tid; j < c1; j += NT)
+      svs[j - t0] = __half2float(j < cb ? vq[kv * cap + j - S] : wvq[kv * N + j - r0]);
     for (int j = t0 + tid; j < t1; j += NT) {
       float s[G];
       #pragma unroll
@@ -385,13 +415,8 @@ _STEP = """
         #pragma unroll
         for (int g = 0; g < G; g++) ap[g] += sc[g * TILE + j - t0] * x;
       }
-      for (int j = max(t0, S); j < min(t1, big_end); j++) {
-        const float x = tv[tq_code<VB>(vc + (kv * cap + j - S) * WV, i)] * __half2float(vq[kv * cap + j - S]);
-        #pragma unroll
-        for (int g = 0; g < G; g++) ar[g] += sc[g * TILE + j - t0] * x;
-      }
-      for (int j = max(t0, max(cb, S)); j < min(t1, e0); j++) {
-        const float x = tv[tq_code<VB>(wvc + (kv * N + j - r0) * WV, i)] * __half2float(wvq[kv * N + j - r0]);
+      for (int j = c0; j < c1; j++) {
+        const float x = tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0];
         #pragma unroll
         for (int g = 0; g < G; g++) ar[g] += sc[g * TILE + j - t0] * x;
       }
@@ -435,13 +460,14 @@ _MERGE = """
 """
 
 STEP_TILE = 128  # positions scored per shared-memory tile
-STEP_BLOCKS = 256  # chunks aimed at per step and layer (x kv heads), enough to fill the GPU
+STEP_BLOCKS = 512  # blocks aimed at per step and layer: ~4 per SM of an H200 (66-86 registers a thread)
 
 
 def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool:
     """Shapes `step` takes: power-of-two head dims 64..256 (the rotation is a
-    Hadamard transform in shared memory), up to 16 query heads per kv head."""
-    return dim in (64, 128, 256) and 1 <= group <= 16 and group * dim <= 2048 and max(key_bits, value_bits) <= 5
+    Hadamard transform in shared memory and across a warp's lanes), the group's
+    queries (G x D floats, twice) and a tile of value codes in shared memory."""
+    return dim in (64, 128, 256) and 1 <= group and group * dim <= 1024 and key_bits <= 5 and value_bits <= 4
 
 
 def _threads(dim: int) -> int:
@@ -472,8 +498,8 @@ def encode(x: mx.array, sign: mx.array, table: mx.array, edges: mx.array, bits: 
     codes, scales = _step_kernel("tq_encode")(
         inputs=[x, sign, table, edges],
         template=[("D", dim), ("BITS", bits), ("W", words)],
-        grid=(rows * _threads(dim), 1, 1),
-        threadgroup=(_threads(dim), 1, 1),
+        grid=(rows * 32, 1, 1),
+        threadgroup=(32, 1, 1),
         output_shapes=[(*x.shape[:-1], words), x.shape[:-1]],
         output_dtypes=[mx.uint32, mx.float16],
     )
@@ -489,6 +515,27 @@ def step_chunks(positions: int, rows: int) -> tuple:
     return -(-positions // span), span
 
 
+@lru_cache(maxsize=256)
+def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, words: tuple, slots: int,
+                 chunks: int, dtype) -> tuple:  # fmt: skip
+    """The two kernels' keyword arguments besides inputs (made once per shape: a
+    decode step of a small model is bound by host work like this)."""
+    (kb, vb), (wk, wv), threads = bits, words, _threads(dim)
+    window = (B, kv_heads, slots)
+    step = dict(
+        template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb),
+                  ("WK", wk), ("WV", wv), ("NT", threads), ("TILE", STEP_TILE)],
+        grid=(B * kv_heads * chunks * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(B * n_heads, chunks, 2 * dim + 2), (*window, dim), (*window, dim), (*window, wk),
+                       (*window, wv), window, window],
+        output_dtypes=[mx.float32, dtype, dtype, mx.uint32, mx.uint32, mx.float16, mx.float16],
+    )  # fmt: skip
+    merge = dict(template=[("D", dim)], grid=(B * n_heads * dim, 1, 1), threadgroup=(dim, 1, 1),
+                 output_shapes=[(B, n_heads, 1, dim)], output_dtypes=[dtype])  # fmt: skip
+    return step, merge
+
+
 def step(q, new, sinks, coded, window, books, meta, chunks: int, scale: mx.array, bits: tuple):
     """One decode step's attention (see above). q (B, Hq, 1, D); new = (k, v)
     (B, Hkv, 1, D); sinks = (k, v) (B, Hkv, SS, D); coded = (kc, kq, vc, vq) the
@@ -497,24 +544,8 @@ def step(q, new, sinks, coded, window, books, meta, chunks: int, scale: mx.array
     chunks, e0, N, SS, span]. Returns (out (B, Hq, 1, D) in q's dtype, the
     window's next arrays)."""
     B, n_heads, _, dim = q.shape
-    kv_heads = new[0].shape[1]
-    kb, vb = bits
-    threads = _threads(dim)
-    outs = _step_kernel("tq_step")(
-        inputs=[q, *new, *sinks, *coded, *window, *books, meta, scale],
-        template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb),
-                  ("WK", coded[0].shape[-1]), ("WV", coded[2].shape[-1]), ("NT", threads), ("TILE", STEP_TILE)],
-        grid=(B * kv_heads * chunks * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(B * n_heads, chunks, 2 * dim + 2)] + [w.shape for w in window],
-        output_dtypes=[mx.float32] + [w.dtype for w in window],
-    )  # fmt: skip
-    out = _step_kernel("tq_merge")(
-        inputs=[outs[0], books[5], meta],
-        template=[("D", dim)],
-        grid=(B * n_heads * dim, 1, 1),
-        threadgroup=(dim, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )[0]
+    words = (coded[0].shape[-1], coded[2].shape[-1])
+    launch, merge = _step_launch(B, n_heads, dim, new[0].shape[1], bits, words, window[0].shape[2], chunks, q.dtype)
+    outs = _step_kernel("tq_step")(inputs=[q, *new, *sinks, *coded, *window, *books, meta, scale], **launch)
+    out = _step_kernel("tq_merge")(inputs=[outs[0], books[5], meta], **merge)[0]
     return out, tuple(outs[1:])

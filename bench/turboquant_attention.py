@@ -32,8 +32,8 @@ def fill(cache, n: int, kv_heads: int, dim: int, dtype) -> None:
         k = mx.random.normal((1, kv_heads, m, dim)).astype(dtype)
         cache.update_and_fetch(k, k * 0.5)
         mx.eval(cache.state if isinstance(cache, KVCache) else (cache.key_codes, cache.value_codes))
-    if not isinstance(cache, KVCache):
-        cache._chunk = None  # no attention reads the fill (it would mark the cache unrouted)
+        if not isinstance(cache, KVCache):
+            cache._chunk = None  # no attention reads the fill (it would mark the cache unrouted)
 
 
 def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, dtype) -> float:

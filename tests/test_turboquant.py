@@ -256,8 +256,17 @@ def reference_window_attention(cache, exact_k, exact_v, q, scale):
     return mx.concatenate(outs, axis=2)
 
 
-@pytest.mark.parametrize("chunks", [[37], [30, 7], [1] * 12, [20, 5, 1, 11]])
-def test_rotated_attention_reads_each_querys_window(chunks):
+def test_query_block_bounds_the_scores():
+    assert tq.query_block(14, 1024) == 512
+    assert tq.query_block(14, 32768) == (256 << 20) // (4 * 14 * 32768) == 146
+    assert tq.query_block(28, 10**7) == 16
+
+
+@pytest.mark.parametrize("chunks", [[37], [30, 7], [1] * 12, [20, 5, 1, 11], "blocks of 16"])
+def test_rotated_attention_reads_each_querys_window(chunks, monkeypatch):
+    if chunks == "blocks of 16":  # a prefill chunk attended 16 queries at a time
+        monkeypatch.setattr(tq, "_SCORE_BYTES", 1)
+        chunks = [37]
     """GQA (4 query heads on 2 kv heads), window exactness, masks and the rotation."""
     total = sum(chunks)
     k, v = kv(total, 11)
