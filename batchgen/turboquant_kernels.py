@@ -217,7 +217,7 @@ __device__ __forceinline__ void tq_wht(float* x, int count) {
 // codebook's edges, packed as pack_codes packs them, and the scale
 // |x| sqrt(D) / |levels|. `idx`: D bytes of shared memory for this warp.
 template <int D, int BITS, int W, typename T>
-__device__ void tq_encode_warp(const T* x, const float* sign, const float* tab, const float* edge,
+__device__ void tq_encode_warp(const T* x, long long stride, const float* sign, const float* tab, const float* edge,
                                unsigned char* idx, unsigned int* codes, __half* scale) {
   constexpr int PER = D / 32;
   const int lane = threadIdx.x & 31;
@@ -225,7 +225,7 @@ __device__ void tq_encode_warp(const T* x, const float* sign, const float* tab, 
   float part = 0.0f;
   #pragma unroll
   for (int e = 0; e < PER; e++) {
-    y[e] = static_cast<float>(x[lane * PER + e]);
+    y[e] = static_cast<float>(x[(lane * PER + e) * stride]);
     part += y[e] * y[e];
   }
   #pragma unroll
@@ -284,7 +284,7 @@ __device__ void tq_encode_warp(const T* x, const float* sign, const float* tab, 
 _ENCODE = """
   __shared__ unsigned char idx[D];
   const size_t r = blockIdx.x;  // one warp a vector
-  tq_encode_warp<D, BITS, W>(x + r * D, sign, tab, edge, idx, codes + r * W, scales + r);
+  tq_encode_warp<D, BITS, W>(x + r * D, 1, sign, tab, edge, idx, codes + r * W, scales + r);
 """
 
 _STEP = """
@@ -295,6 +295,12 @@ _STEP = """
   const int lo = c * span, hi = min(p + 1, lo + span);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t kv = (size_t)bk;
+  // q, the new key and value come straight from the model (often transposed views):
+  // read through their strides, no copy.
+  const auto* qb = q + b * q_strides[0] + hk * G * q_strides[1];
+  const auto* knp = kn + b * kn_strides[0] + hk * kn_strides[1];
+  const auto* vnp = vn + b * vn_strides[0] + hk * vn_strides[1];
+  const long long kns = kn_strides[3], vns = vn_strides[3];
   __shared__ float qp[G * D], qr[G * D], sc[G * TILE], tk[1 << KB], tv[1 << VB];
   __shared__ float fm[G], fl[G], fc[G], svs[TILE];
   __shared__ unsigned int svc[TILE * WV];
@@ -306,8 +312,8 @@ _STEP = """
   for (int s = c; s < N; s += C) {
     const size_t row = kv * N + s;
     for (int t = tid; t < D; t += NT) {
-      wk_out[row * D + t] = s == slot ? kn[kv * D + t] : wk[row * D + t];
-      wv_out[row * D + t] = s == slot ? vn[kv * D + t] : wv[row * D + t];
+      wk_out[row * D + t] = s == slot ? knp[t * kns] : wk[row * D + t];
+      wv_out[row * D + t] = s == slot ? vnp[t * vns] : wv[row * D + t];
     }
     if (s == slot) continue;
     for (int t = tid; t < WK; t += NT) wkc_out[row * WK + t] = wkc[row * WK + t];
@@ -316,14 +322,14 @@ _STEP = """
   }
   const size_t at = kv * N + slot;
   if (c == C - 1 && warp == 0)
-    tq_encode_warp<D, KB, WK>(kn + kv * D, ksign, ktab, kedge, eidx, wkc_out + at * WK, wkq_out + at);
+    tq_encode_warp<D, KB, WK>(knp, kns, ksign, ktab, kedge, eidx, wkc_out + at * WK, wkq_out + at);
   if (c == C - 1 && warp == 1)
-    tq_encode_warp<D, VB, WV>(vn + kv * D, vsign, vtab, vedge, eidx + D, wvc_out + at * WV, wvq_out + at);
+    tq_encode_warp<D, VB, WV>(vnp, vns, vsign, vtab, vedge, eidx + D, wvc_out + at * WV, wvq_out + at);
 
   // Scaled queries of the group, plain and rotated (unnormalised: coded scores take 1 / D).
   const float qs = scale[0];
   for (int t = tid; t < G * D; t += NT) {
-    const float x = static_cast<float>(q[((size_t)b * HKV * G + hk * G) * D + t]) * qs;
+    const float x = static_cast<float>(qb[(t / D) * q_strides[1] + (t % D) * q_strides[3]]) * qs;
     qp[t] = x;
     qr[t] = x * ksign[t % D];
   }
@@ -352,9 +358,10 @@ _STEP = """
       #pragma unroll
       for (int g = 0; g < G; g++) s[g] = 0.0f;
       if (j < S || j >= e0) {
-        const auto* kr = j < S ? sk + (kv * SS + j) * D : (j == p ? kn + kv * D : wk + (kv * N + j - r0) * D);
+        const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wk + (kv * N + j - r0) * D);
+        const long long ks = j == p ? kns : 1;
         for (int i = 0; i < D; i++) {
-          const float x = static_cast<float>(kr[i]);
+          const float x = static_cast<float>(kr[i * ks]);
           #pragma unroll
           for (int g = 0; g < G; g++) s[g] += qp[g * D + i] * x;
         }
@@ -421,7 +428,7 @@ _STEP = """
         for (int g = 0; g < G; g++) ar[g] += sc[g * TILE + j - t0] * x;
       }
       for (int j = max(t0, max(e0, S)); j < min(t1, p + 1); j++) {
-        const float x = static_cast<float>(j == p ? vn[kv * D + i] : wv[(kv * N + j - r0) * D + i]);
+        const float x = static_cast<float>(j == p ? vnp[i * vns] : wv[(kv * N + j - r0) * D + i]);
         #pragma unroll
         for (int g = 0; g < G; g++) ap[g] += sc[g * TILE + j - t0] * x;
       }
@@ -487,7 +494,10 @@ def _step_kernel(name: str):
         "tq_merge": (["part", "vsign", "meta"], ["out"], _MERGE),
     }  # fmt: skip
     inputs, outputs, source = specs[name]
-    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source, header=_STEP_HEADER)
+    # tq_step reads q and the new token through their strides; everything else it
+    # takes is contiguous by construction (TurboQuantKVCache._enter_step).
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source, header=_STEP_HEADER,
+                               ensure_row_contiguous=name != "tq_step")  # fmt: skip
 
 
 def encode(x: mx.array, sign: mx.array, table: mx.array, edges: mx.array, bits: int):

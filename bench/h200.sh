@@ -190,12 +190,13 @@ stage_tqstep() {  # issue 7: the one-kernel decode step against its reference (s
     --out "$R/turboquant_attention.json"
 }
 
-stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache
-  for s in ${TQ_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
-    for n in 1024 8192 32768; do
-      step "tq_${s}_${n}" 150 $BG --shape "$s" --model "$DEMO" --synthetic "$n" --synthetic-jobs 2 --max-tokens 64 \
-        --draft none --no-prompt-cache --no-fuse --kv-cache turboquant --kv-bits 4 --out "$R/tq_${s}_${n}.json"
-    done
+stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache (TQ_RUNS: shape:context ...)
+  local runs=${TQ_RUNS:-"qwen2.5-0.5b:1024 qwen2.5-0.5b:8192 qwen2.5-0.5b:32768 qwen2.5-7b:1024 qwen2.5-7b:8192 qwen2.5-7b:32768"}
+  for run in $runs; do
+    local s=${run%%:*} n=${run##*:}
+    step "tq_${s}_${n}" 150 $BG --shape "$s" --model "$DEMO" --synthetic "$n" --synthetic-jobs 2 \
+      --max-tokens "${TQ_TOKENS:-64}" --draft none --no-prompt-cache --no-fuse --kv-cache turboquant --kv-bits 4 \
+      --out "$R/tq_${s}_${n}.json"
   done
 }
 
