@@ -811,13 +811,14 @@ class TurboQuantKVCache(_BaseCache):
             hi = min(L_q, lo + block)
             m = mask[..., lo:hi, :] if isinstance(mask, mx.array) else mask
             end = self.offset - (L_q - hi)
-            q_block = q[:, :, lo:hi]
-            if outs:
-                # One block after another: MLX would otherwise run the blocks' graphs
-                # side by side and hold all their scores at once (measured: ~4x one
-                # block's, per layer).
-                q_block = mx.depends(q_block, outs[-1])
-            outs.append(_rotated_attention(q_block, parts, end, self.window, m))
+            outs.append(_rotated_attention(q[:, :, lo:hi], parts, end, self.window, m))
+            if block < L_q:
+                # One block at a time: left lazy, MLX runs the blocks' graphs side by
+                # side and holds all their scores at once (CPU: ~2x one layer's peak),
+                # and on CUDA frees them only when the whole prefill chunk has run
+                # (H200: 15.6 GB peak prefilling 8k tokens into a 0.5B model with
+                # blocks merely ordered, against 2.9 GB for mlx-lm's cache).
+                mx.eval(outs[-1])
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
         out = self._rotation(self.value_dim).inverse(out.astype(mx.float32))
         return out.astype(dtype)
