@@ -39,8 +39,15 @@ scale_j / sqrt(d) * q.c_j), and reads each query's own window exactly -- the sam
 result for any chunking (prefill chunks, prompt-cache reuse, prompt-lookup verify).
 The dequantized fetch is then never computed (MLX is lazy). What the cache holds is
 codes, scales, sinks and the recent copies; the per-step codebook lookup of the history
-is transient, one layer at a time. A fused kernel that scores straight from the packed
-codes (no L x d temporary) is the next step for GPU speed.
+is transient, one layer at a time.
+
+Step mode (CUDA): a one-token decode step on that path is dozens of small ops per layer,
+which bound a GPU step at any context length (0.01-0.03x of fp16 attention on an H200).
+There, update_and_fetch only hands the token over and `attention` runs one kernel and a
+merge (`turboquant_kernels.step`): it encodes the token into a window of recent slots
+(exact copies and codes; into the big buffers every STEP_BLOCK steps) and attends over
+sinks + codes + the query's exact window in blocks over the positions -- the same
+reading rule, so the ops path stays the reference (tests/test_turboquant_step.py).
 
 Bits (`--kv-bits` is the nominal bits per coordinate, averaged over K and V):
     bits=4: K 5, V 3    bits=3: K 4, V 2    bits=2: K 2, V 2
