@@ -35,6 +35,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .compiled_step import StepCache, kernel_head_size
 from .turboquant_kernels import available as _cuda  # CUDA present, the default device a GPU
+from .turboquant_kernels import constant
 
 DEFAULT_MAX_QUERIES = 256
 _ATTR = "scaled_dot_product_attention"
@@ -239,22 +240,10 @@ def batch_decode_supported(queries, cache) -> bool:
     return k is not None and _cuda() and kernel_head_size(queries, k, v)
 
 
-_constants: dict = {}
-
-
-def _constant(key, make):
-    """Small input arrays made once per value (not one host copy per layer)."""
-    if key not in _constants:
-        if len(_constants) > 64:
-            _constants.clear()
-        _constants[key] = make()
-    return _constants[key]
-
-
 def batch_cache_bounds(cache: BatchKVCache) -> mx.array:
     """[write position, capacity] of a BatchKVCache's buffers, as int32."""
     idx, capacity = cache._idx, cache.keys.shape[2]
-    return _constant(("bounds", idx, capacity), lambda: mx.array([idx, capacity], mx.int32))
+    return constant(("bounds", idx, capacity), lambda: mx.array([idx, capacity], mx.int32))
 
 
 def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_padding: mx.array, bounds: mx.array,
@@ -295,7 +284,7 @@ def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: di
             name=name, input_names=["q", *inputs, "scale"], output_names=["out", *also], source=source,
         )  # fmt: skip
     B, n_heads, _, d = queries.shape
-    scale_arr = _constant(("scale", scale), lambda: mx.array([scale], mx.float32))
+    scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
     threads = 32 * _DECODE_WARPS
     return _kernels[name](
         inputs=[queries, *inputs.values(), scale_arr],

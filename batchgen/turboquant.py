@@ -992,15 +992,15 @@ class TurboQuantKVCache(_BaseCache):
         if S:
             sinks = (self.sink_keys, self.sink_values)
         else:
-            sinks = (_step_constant(("nosink", B, H, self.key_dim, keys.dtype),
+            sinks = (_kernels.constant(("nosink", B, H, self.key_dim, keys.dtype),
                                     lambda: mx.zeros((B, H, 1, self.key_dim), keys.dtype)),) * 2  # fmt: skip
         e0 = max(S, p - self.window + 1, r0)
         fields = (p, S, self.key_codes.shape[2], self._win_cb, r0, chunks, e0, self._win[0].shape[2],
                   sinks[0].shape[2], span)  # fmt: skip
-        meta = _step_constant(fields, lambda: mx.array(fields, dtype=mx.int32))
+        meta = _kernels.constant(fields, lambda: mx.array(fields, dtype=mx.int32))
         coded = (self.key_codes, self.key_norms, self.value_codes, self.value_norms)
         books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits)
-        scale_arr = _step_constant(("scale", scale), lambda: mx.array([scale], mx.float32))
+        scale_arr = _kernels.constant(("scale", scale), lambda: mx.array([scale], mx.float32))
         out, self._win = _kernels.step(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,
                                        scale_arr, (self.key_bits, self.value_bits))  # fmt: skip
         self._win_n = p - r0 + 1
@@ -1010,18 +1010,6 @@ class TurboQuantKVCache(_BaseCache):
 # One-token decode steps through `turboquant_kernels.step` where it applies (CUDA);
 # False keeps every step on the ops path (benchmarks compare the two).
 STEP_KERNEL = True
-
-_step_constants: dict = {}
-
-
-def _step_constant(key, make):
-    """Small arrays shared by every layer of a step (one host copy, not one per layer)."""
-    if key not in _step_constants:
-        if len(_step_constants) > 256:
-            _step_constants.clear()
-        _step_constants[key] = make()
-    return _step_constants[key]
-
 
 @lru_cache(maxsize=None)
 def _step_books(dim: int, seed: int, key_bits: int, value_bits: int):

@@ -93,6 +93,19 @@ _VALUES = """
 """
 
 
+_constants: dict = {}
+
+
+def constant(key, make):
+    """Small input arrays (kernel metadata, scales) made once per value: every layer
+    of a step shares one host-to-device copy instead of making its own."""
+    if key not in _constants:
+        if len(_constants) > 256:
+            _constants.clear()
+        _constants[key] = make()
+    return _constants[key]
+
+
 def available() -> bool:
     """CUDA present and the default device a GPU (the kernels have no CPU path)."""
     cuda = getattr(mx, "cuda", None)

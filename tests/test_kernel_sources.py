@@ -1,0 +1,75 @@
+"""The CUDA kernels' sources compile (nvcc, no GPU needed).
+
+MLX builds a custom kernel's function around its body at run time (signature from the
+input and output names and dtypes, `_strides` parameters where the body uses them,
+template constants as `constexpr`); a syntax or type error would otherwise surface only
+on a GPU. This builds the same wrapper around each kernel body, with a stand-in for
+MLX's device header, and compiles it for the H200 (sm_90). Skipped without nvcc.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from batchgen import turboquant_kernels as K
+
+nvcc = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(nvcc is None, reason="needs nvcc")
+
+# What MLX's device header provides to a kernel body, as far as these kernels use it.
+STANDIN = """
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+using Strides = cuda::std::array<int64_t, 10>;
+"""
+CUDA_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half", "u32": "uint32_t", "i32": "int32_t"}
+
+
+def wrapped(name: str, header: str, body: str, inputs: list, outputs: list, template: list) -> str:
+    params = []
+    for arg, dtype in inputs:
+        params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
+        if f"{arg}_strides" in body:
+            params.append(f"const __grid_constant__ Strides {arg}_strides")
+    params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
+    constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    return (f"{STANDIN}{header}\nnamespace mlx::core::cu {{\n__global__ void custom_kernel_{name}(\n  "
+            + ",\n  ".join(params) + f") {{\n{constants}{body}\n}}\n}}\n")  # fmt: skip
+
+
+def compiles(tmp_path, source: str) -> None:
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    run = subprocess.run([nvcc, "-arch=sm_90", "-c", "-o", str(tmp_path / "kernel.o"), str(path)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def step_inputs(dtype: str) -> list:
+    model = ("q", "kn", "vn", "sk", "sv")
+    codes = (("kc", "u32"), ("kq", "f16"), ("vc", "u32"), ("vq", "f16"))
+    window = (("wk", dtype), ("wv", dtype), ("wkc", "u32"), ("wvc", "u32"), ("wkq", "f16"), ("wvq", "f16"))
+    books = ("ktab", "kedge", "vtab", "vedge", "ksign", "vsign")
+    return ([(n, dtype) for n in model] + list(codes) + list(window) + [(n, "f32") for n in books]
+            + [("meta", "i32"), ("scale", "f32")])  # fmt: skip
+
+
+@pytest.mark.parametrize("dim,group,bits,dtype", [(64, 7, (5, 3), "bf16"), (128, 8, (4, 2), "f32")])
+def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
+    kb, vb = bits
+    wk, wv = dim * kb // 32, dim * vb // 32
+    outputs = [("part", "f32"), ("wk_out", dtype), ("wv_out", dtype), ("wkc_out", "u32"), ("wvc_out", "u32"),
+               ("wkq_out", "f16"), ("wvq_out", "f16")]  # fmt: skip
+    template = [("D", dim), ("G", group), ("HKV", 2), ("KB", kb), ("VB", vb), ("WK", wk), ("WV", wv),
+                ("NT", max(128, dim)), ("TILE", K.STEP_TILE)]  # fmt: skip
+    compiles(tmp_path, wrapped("tq_step", K._STEP_HEADER, K._STEP, step_inputs(dtype), outputs, template))
+    merge_inputs = [("part", "f32"), ("vsign", "f32"), ("meta", "i32")]
+    compiles(tmp_path, wrapped("tq_merge", K._STEP_HEADER, K._MERGE, merge_inputs, [("out", dtype)], [("D", dim)]))
+    encode_inputs = [("x", dtype), ("sign", "f32"), ("tab", "f32"), ("edge", "f32")]
+    compiles(tmp_path, wrapped("tq_encode", K._STEP_HEADER, K._ENCODE, encode_inputs,
+                               [("codes", "u32"), ("scales", "f16")], [("D", dim), ("BITS", kb), ("W", wk)]))  # fmt: skip
