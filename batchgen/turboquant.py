@@ -854,7 +854,6 @@ class TurboQuantKVCache(_BaseCache):
             )
         return sinks, coded, tail
 
-
     # -- step mode: a one-token decode step as one kernel (CUDA) -----------------------
     #
     # A decode step on the ops path is dozens of small ops per layer, and a GPU step of
@@ -1011,6 +1010,7 @@ class TurboQuantKVCache(_BaseCache):
 # False keeps every step on the ops path (benchmarks compare the two).
 STEP_KERNEL = True
 
+
 @lru_cache(maxsize=None)
 def _step_books(dim: int, seed: int, key_bits: int, value_bits: int):
     """(key levels, key edges, value levels, value edges, signs, signs) for `step`."""
@@ -1087,10 +1087,10 @@ _SCORE_BYTES = 128 << 20
 
 def query_block(n_q_heads: int, keys: int) -> int:
     """Queries attended together in a prefill chunk: their float32 scores over
-    `keys` positions stay within _SCORE_BYTES, at least 16, at most 512. (Blocks
-    of 512 with every block's graph run side by side peaked at 28 GB prefilling
-    32k tokens into a 0.5B model on the H200, against 3.9 GB for mlx-lm's cache;
-    a block's scores live in ~7-10 temporaries at once, measured on CPU.)"""
+    `keys` positions stay within _SCORE_BYTES, at least 16, at most 512. (A block's
+    scores live in ~7-10 temporaries at once, measured on CPU; blocks of 512 peaked
+    at 32 GB prefilling 32k tokens into a 0.5B model on the H200, against 3.9 GB for
+    mlx-lm's cache.)"""
     return max(16, min(512, _SCORE_BYTES // (4 * n_q_heads * max(keys, 1))))
 
 

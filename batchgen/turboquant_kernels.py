@@ -189,9 +189,10 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 #   * `merge` combines the chunks' (max, sum, two accumulators) per query head
 #     and takes the rotated sum back with the inverse rotation;
 #   * the cache's recent positions live in a small window of slots (exact
-#     vectors and their codes) that the first chunk's block copies forward with
-#     the new token in its slot, encoded there by the same routine (`tq_encode_warp`)
-#     that encodes prefill chunks, so a token's codes never depend on the path.
+#     vectors and their codes) that the blocks copy forward (slot s by chunk
+#     s mod C) with the new token in its slot, encoded there by two warps with
+#     the routine (`tq_encode_warp`) that also encodes prefill chunks, so a
+#     token's codes never depend on the path.
 # Reading rule (as `turboquant._rotated_attention`): position j < S is a sink
 # (exact); e0 <= j <= p exact (the query's window); otherwise codes, from the
 # big buffers below cb, from the window's slot j - r0 above.
