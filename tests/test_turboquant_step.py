@@ -125,6 +125,8 @@ SCHEDULES = {
     # prompt-lookup: verify chunks and trims between steps, a trim past the reserve.
     "pld": [30] + [1] * 20 + [6, ("trim", 4)] + [1] * 40 + [5, ("trim", 9)] + [1] * 30,
     "short prompt": [3] + [1] * 60,
+    # trims straight out of step mode, within and past the reserve, then steps again.
+    "trim after steps": [30] + [1] * 20 + [("trim", 3)] + [1] * 50 + [("trim", 8)] + [1] * 10,
 }
 
 
@@ -250,3 +252,30 @@ def test_step_kernel_matches_reference(heads, dim, n, dtype):
         slot = t - c._win_r0
         for got_w, ref_w in zip(c._win[:2], want_window[:2]):
             assert mx.array_equal(got_w[:, :, : slot + 1], ref_w[:, :, : slot + 1]), t
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pld_and_the_pool_compose_with_step_mode(step_on_cpu, monkeypatch, model_dir, arch):
+    """Prompt-lookup verify passes and trims between steps, and pooled TurboQuant
+    slots: the same greedy texts as TurboQuant alone, in step mode (float32)."""
+    from test_compose import tq_engine
+    from test_engine import make_job
+    from test_pld import LOOPY
+    from test_prompt_cache import JOBS, SYSTEM
+
+    steps = []
+    monkeypatch.setattr(kernels, "step", lambda *a: steps.append(1) or reference_step(*a))
+    path = model_dir(arch)
+    plain, fast, pooled = tq_engine(path), tq_engine(path, draft="pld"), tq_engine(path, pool=True)
+    drafted = 0
+    for text in LOOPY[:3]:
+        a, b = plain.run(make_job(text, max_tokens=40)), fast.run(make_job(text, max_tokens=40))
+        assert a.ok and b.ok and b.text == a.text, (arch, text)
+        drafted += b.stats.pld_drafted
+    pooled.prewarm(SYSTEM, "test")
+    hits = 0
+    for job in JOBS[:3]:
+        a, b = plain.run(job), pooled.run(job)
+        assert b.text == a.text, (arch, job.id)
+        hits += b.usage.cached_tokens
+    assert drafted > 0 and hits > 0 and len(steps) > 100
