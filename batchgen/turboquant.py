@@ -363,7 +363,7 @@ def quantize(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]
 def _encode(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]:
     """`quantize`; on CUDA the kernel that step mode encodes with, so that a token's
     codes are the same whichever path stored it."""
-    if STEP_KERNEL and rot.hadamard and _kernels.available() and _kernels.step_supported(rot.dim, 1, bits, bits):
+    if STEP_KERNEL and rot.hadamard and _kernels.available() and _kernels.encode_supported(rot.dim):
         levels, edges = _codebook_arrays(bits)
         return _kernels.encode(x, rot.signs, levels, edges, bits)
     return quantize(x, bits, rot)

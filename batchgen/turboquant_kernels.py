@@ -484,11 +484,16 @@ STEP_TILE = 128  # positions scored per shared-memory tile
 STEP_BLOCKS = 512  # blocks aimed at per step and layer: ~4 per SM of an H200 (66-86 registers a thread)
 
 
+def encode_supported(dim: int) -> bool:
+    """Head dims `encode` (and the step's encoder) take: powers of two 64..256, the
+    rotation a Hadamard transform across a warp's lanes. Any codebook (1-5 bits)."""
+    return dim in (64, 128, 256)
+
+
 def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool:
-    """Shapes `step` takes: power-of-two head dims 64..256 (the rotation is a
-    Hadamard transform in shared memory and across a warp's lanes), the group's
-    queries (G x D floats, twice) and a tile of value codes in shared memory."""
-    return dim in (64, 128, 256) and 1 <= group and group * dim <= 1024 and key_bits <= 5 and value_bits <= 4
+    """Shapes `step` takes: `encode_supported` dims, the group's queries (G x D
+    floats, twice) and a tile of value codes in shared memory."""
+    return encode_supported(dim) and 1 <= group and group * dim <= 1024 and key_bits <= 5 and value_bits <= 4
 
 
 def _threads(dim: int) -> int:

@@ -79,6 +79,9 @@ def reference_step(q, new, sinks, coded, window, books, meta, chunks, scale, bit
     return out.astype(q.dtype), out_window
 
 
+STEP_SUPPORTED = kernels.step_supported
+
+
 @pytest.fixture
 def step_on_cpu(monkeypatch):
     """Step mode on this CPU with the reference in the kernel's place."""
@@ -163,10 +166,20 @@ def test_step_mode_counts_its_window_and_settles_for_state(step_on_cpu):
     assert c.nbytes == sum(a.nbytes for a in (c.sink_keys, c.sink_values, c.key_codes, c.key_norms,
                                               c.value_codes, c.value_norms, *c._win))  # fmt: skip
     restored = tq.TurboQuantKVCache.from_state(c.state)  # settles first
-    assert c._win is None and c.recent_keys.shape[2] == c._keep
+    assert c._win is None and c.recent_keys.shape[2] == c._recent_capacity
     assert restored.offset == 60
     for x, y in zip(restored.keys_and_values(), c.keys_and_values()):
         assert mx.array_equal(x, y)
+
+
+def test_prefill_encodes_with_the_step_encoder_at_every_bit_width(step_on_cpu, monkeypatch):
+    """Keys at 5 bits too: a token's codes never depend on which path stored it."""
+    widths = []
+    monkeypatch.setattr(kernels, "step_supported", STEP_SUPPORTED)  # the real limits, values <= 4 bits
+    monkeypatch.setattr(kernels, "encode", lambda x, *a: widths.append(a[-1]) or reference_encode(x, *a))
+    c = tq.TurboQuantKVCache(4)
+    c.update_and_fetch(*kv(20, 1))
+    assert sorted(widths) == [3, 5]
 
 
 def test_step_handed_over_but_never_attended_goes_the_ordinary_way(step_on_cpu):
