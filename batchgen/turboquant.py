@@ -866,10 +866,6 @@ class TurboQuantKVCache(_BaseCache):
 
     STEP_BLOCK = 32
 
-    @property
-    def _keep(self) -> int:
-        return self._recent_capacity
-
     def _steps(self) -> bool:
         """Whether a one-token update takes step mode."""
         return (
@@ -911,7 +907,7 @@ class TurboQuantKVCache(_BaseCache):
 
     def _enter_step(self, B: int, H: int, dtype):
         p = self.offset - 1  # the handed-over token's position
-        n, slots, dim = self._n_recent, self._keep + self.STEP_BLOCK, self.key_dim
+        n, slots, dim = self._n_recent, self._recent_capacity + self.STEP_BLOCK, self.key_dim
 
         def exact(recent):
             fresh = mx.zeros((B, H, slots - n, dim), dtype)
@@ -952,11 +948,11 @@ class TurboQuantKVCache(_BaseCache):
         self._win_cb = r0 + n
 
     def _shift_window(self):
-        """Room for the next token: flush, then move the last `_keep` slots to the front."""
+        """Room for the next token: flush, then move the last `_recent_capacity` slots to the front."""
         self._flush_window()
         wk, wv, *coded = self._win
         n = self._win_n
-        keep = min(n, self._keep)
+        keep = min(n, self._recent_capacity)
 
         def moved(x):
             fresh = mx.zeros((*x.shape[:2], x.shape[2] - keep, x.shape[3]), x.dtype)
@@ -972,7 +968,7 @@ class TurboQuantKVCache(_BaseCache):
         self._flush_window()
         wk, wv = self._win[:2]
         n = self._win_n
-        keep = min(n, self._keep)
+        keep = min(n, self._recent_capacity)
         self.recent_keys = _detach(wk[:, :, n - keep : n]) if keep else None
         self.recent_values = _detach(wv[:, :, n - keep : n]) if keep else None
         self._win = None

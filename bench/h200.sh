@@ -121,7 +121,11 @@ stage_pldpolicy() {  # issue 6: the adaptive policy's settings on edits (PLD alo
 stage_tqkernels() {  # issue 7: fused TurboQuant kernels: exactness vs float64, then speed
   step tqk_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_kernels.py
   [[ ${TQK_TEST_ONLY:-0} == 1 ]] && return
-  step tqk_attention 200 python3 bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 \
+  tq_attention tqk_attention 200
+}
+
+tq_attention() {  # NAME SECONDS: one decode step's attention, fp16 against TurboQuant's paths
+  step "$1" "$2" python3 bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 \
     --out "$R/turboquant_attention.json"
 }
 
@@ -186,8 +190,7 @@ stage_tp05() {  # issue 8: the 0.5B shape alone, with time to finish
 
 stage_tqstep() {  # issue 7: the one-kernel decode step against its reference (stops the call if it fails), speed
   step tqs_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_step.py || return 1
-  step tqs_attention 150 python3 bench/turboquant_attention.py --shapes 0.5b,7b --contexts 1024,8192,32768 \
-    --out "$R/turboquant_attention.json"
+  tq_attention tqs_attention 150
 }
 
 stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache (TQ_RUNS: shape:context ...)
