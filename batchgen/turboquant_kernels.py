@@ -461,27 +461,61 @@ _STEP = """
 """
 
 _MERGE = """
-  __shared__ float y[D];
-  const int bh = blockIdx.x, i = threadIdx.x, C = meta[5];
-  const float* pb = part + (size_t)bh * C * (2 * D + 2);
-  float M = -INFINITY;
-  for (int c = 0; c < C; c++) M = fmaxf(M, pb[(size_t)c * (2 * D + 2) + 2 * D]);
-  float L = 0.0f, r = 0.0f, a = 0.0f;
-  for (int c = 0; c < C; c++) {
-    const float* pc = pb + (size_t)c * (2 * D + 2);
-    const float f = expf(pc[2 * D] - M);
-    L += pc[2 * D + 1] * f;
-    r += pc[i] * f;
-    a += pc[D + i] * f;
-  }
-  y[i] = r;
+  // A block per (row, head), NT threads: the chunks' maxima and weights first, then
+  // K = NT / D groups of D lanes each sum every K-th chunk. (One lane per output
+  // coordinate walking all C chunks was a chain of 2C dependent loads: at 32k
+  // positions C is 256 and that chain, not the step kernel, set the time.)
+  constexpr int K = NT / D, NW = NT / 32, E = 2 * D + 2;
+  __shared__ float w[MAXC], red[NW], ys[K * D], as[K * D];
+  const int bh = blockIdx.x, tid = threadIdx.x, lane = tid & 31, C = meta[5];
+  const float* pb = part + (size_t)bh * C * E;
+  float m = -INFINITY;
+  for (int c = tid; c < C; c += NT) m = fmaxf(m, pb[(size_t)c * E + 2 * D]);
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+  if (lane == 0) red[tid >> 5] = m;
   __syncthreads();
-  tq_wht<D>(y, 1);
-  tq_store(out + (size_t)bh * D + i, (a + y[i] * vsign[i] * (1.0f / D)) / L);
+  float M = red[0];
+  #pragma unroll
+  for (int x = 1; x < NW; x++) M = fmaxf(M, red[x]);
+  __syncthreads();
+  float l = 0.0f;
+  for (int c = tid; c < C; c += NT) {
+    const float f = expf(pb[(size_t)c * E + 2 * D] - M);
+    w[c] = f;
+    l += pb[(size_t)c * E + 2 * D + 1] * f;
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffff, l, o);
+  if (lane == 0) red[tid >> 5] = l;
+  __syncthreads();
+  float L = 0.0f;
+  #pragma unroll
+  for (int x = 0; x < NW; x++) L += red[x];
+  const int i = tid % D, k = tid / D;
+  float r = 0.0f, a = 0.0f;
+  #pragma unroll 4
+  for (int c = k; c < C; c += K) {
+    const float* pc = pb + (size_t)c * E;
+    r += pc[i] * w[c];
+    a += pc[D + i] * w[c];
+  }
+  ys[tid] = r;
+  as[tid] = a;
+  __syncthreads();
+  if (k == 0) {
+    #pragma unroll
+    for (int x = 1; x < K; x++) { r += ys[x * D + i]; a += as[x * D + i]; }
+    ys[i] = r;
+  }
+  __syncthreads();
+  tq_wht<D>(ys, 1);
+  if (k == 0) tq_store(out + (size_t)bh * D + i, (a + ys[i] * vsign[i] * (1.0f / D)) / L);
 """
 
 STEP_TILE = 128  # positions scored per shared-memory tile
 STEP_BLOCKS = 512  # blocks aimed at per step and layer: ~4 per SM of an H200 (66-86 registers a thread)
+MERGE_THREADS = 512
 
 
 def encode_supported(dim: int) -> bool:
@@ -560,7 +594,8 @@ def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, wor
                        (*window, wv), window, window],
         output_dtypes=[mx.float32, dtype, dtype, mx.uint32, mx.uint32, mx.float16, mx.float16],
     )  # fmt: skip
-    merge = dict(template=[("D", dim)], grid=(B * n_heads * dim, 1, 1), threadgroup=(dim, 1, 1),
+    merge = dict(template=[("D", dim), ("NT", MERGE_THREADS), ("MAXC", STEP_BLOCKS)],
+                 grid=(B * n_heads * MERGE_THREADS, 1, 1), threadgroup=(MERGE_THREADS, 1, 1),
                  output_shapes=[(B, n_heads, 1, dim)], output_dtypes=[dtype])  # fmt: skip
     return step, merge
 

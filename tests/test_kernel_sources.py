@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import mlx.core as mx
 import pytest
 
 from batchgen import turboquant_kernels as K
@@ -65,11 +66,13 @@ def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
     wk, wv = dim * kb // 32, dim * vb // 32
     outputs = [("part", "f32"), ("wk_out", dtype), ("wv_out", dtype), ("wkc_out", "u32"), ("wvc_out", "u32"),
                ("wkq_out", "f16"), ("wvq_out", "f16")]  # fmt: skip
-    template = [("D", dim), ("G", group), ("HKV", 2), ("KB", kb), ("VB", vb), ("WK", wk), ("WV", wv),
-                ("NT", max(128, dim)), ("TILE", K.STEP_TILE)]  # fmt: skip
-    compiles(tmp_path, wrapped("tq_step", K._STEP_HEADER, K._STEP, step_inputs(dtype), outputs, template))
+    # The templates the real launches use (turboquant_kernels._step_launch).
+    mx_dtype = {"bf16": mx.bfloat16, "f32": mx.float32}[dtype]
+    step, merge = K._step_launch(1, 2 * group, dim, 2, bits, (wk, wv), 44, 8, mx_dtype)
+    compiles(tmp_path, wrapped("tq_step", K._STEP_HEADER, K._STEP, step_inputs(dtype), outputs, step["template"]))
     merge_inputs = [("part", "f32"), ("vsign", "f32"), ("meta", "i32")]
-    compiles(tmp_path, wrapped("tq_merge", K._STEP_HEADER, K._MERGE, merge_inputs, [("out", dtype)], [("D", dim)]))
+    compiles(tmp_path, wrapped("tq_merge", K._STEP_HEADER, K._MERGE, merge_inputs, [("out", dtype)],
+                               merge["template"]))  # fmt: skip
     encode_inputs = [("x", dtype), ("sign", "f32"), ("tab", "f32"), ("edge", "f32")]
     compiles(tmp_path, wrapped("tq_encode", K._STEP_HEADER, K._ENCODE, encode_inputs,
                                [("codes", "u32"), ("scales", "f16")], [("D", dim), ("BITS", kb), ("W", wk)]))  # fmt: skip

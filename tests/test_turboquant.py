@@ -262,12 +262,15 @@ def test_query_block_bounds_the_scores():
     assert tq.query_block(28, 10**7) == 16
 
 
+@pytest.mark.parametrize("flash", [False, True])
 @pytest.mark.parametrize("chunks", [[37], [30, 7], [1] * 12, [20, 5, 1, 11], "blocks of 16"])
-def test_rotated_attention_reads_each_querys_window(chunks, monkeypatch):
+def test_rotated_attention_reads_each_querys_window(chunks, flash, monkeypatch):
+    """GQA (4 query heads on 2 kv heads), window exactness, masks and the rotation;
+    multi-query passes blocked (ops) or as one masked mx.fast attention call."""
+    monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
     if chunks == "blocks of 16":  # a prefill chunk attended 16 queries at a time
         monkeypatch.setattr(tq, "_SCORE_BYTES", 1)
         chunks = [37]
-    """GQA (4 query heads on 2 kv heads), window exactness, masks and the rotation."""
     total = sum(chunks)
     k, v = kv(total, 11)
     q = mx.random.normal((1, 4, total, 64), key=mx.random.key(12))
@@ -284,6 +287,16 @@ def test_rotated_attention_reads_each_querys_window(chunks, monkeypatch):
     # checks that chunking changes nothing.
     want = reference_window_attention(cache, k, v, q, 0.125)
     assert mx.allclose(got, want, atol=2e-5), mx.abs(got - want).max()
+
+
+def test_flash_mask_literal():
+    """The docstring's example: queries 3 and 4, tail 2..4, window 2, width 8."""
+    bias = tq._flash_mask(2, 5, 0, 3, 2, 8, mx.float32)
+    readable = np.array(bias[0, 0] == 0).astype(int)
+    assert readable.tolist() == [[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 1, 1]]
+    # Sinks (position 0 here) are read as sinks, never from the tail.
+    bias = tq._flash_mask(2, 3, 1, 3, 8, 6, mx.float32)
+    assert np.array(bias[0, 0] == 0).astype(int).tolist() == [[1, 0, 0, 0, 1, 0], [1, 0, 0, 0, 1, 1]]
 
 
 def test_unrouted_cache_falls_back_to_fetch():

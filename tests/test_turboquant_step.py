@@ -213,6 +213,41 @@ def test_model_decodes_the_same_in_step_mode(step_on_cpu, model_dir):
     assert mx.allclose(stepped, plain, atol=1e-4), mx.abs(stepped - plain).max()
 
 
+@pytest.mark.parametrize("options", [{}, {"sink_tokens": 0}, {"window": 1, "trim_reserve": 0}])
+@pytest.mark.parametrize("name", ["pld", "short prompt"])
+def test_flash_multi_query_passes_match_the_blocked_path(step_on_cpu, monkeypatch, name, options):
+    """Prefill chunks and prompt-lookup verify passes (with trims) as one masked
+    mx.fast attention call each, between step-mode steps: the blocked path's outputs
+    within float32 rounding, the same codes stored."""
+    schedule = SCHEDULES[name]
+    total = sum(x for x in schedule if isinstance(x, int))
+    k, v = kv(total, 23)
+    q = mx.random.normal((1, 4, total, 64), key=mx.random.key(24))
+    outs = {}
+    for flash in (True, False):
+        monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
+        cache = tq.TurboQuantKVCache(**options)
+        cache.routed = True
+        outs[flash] = (drive(cache, schedule, k, v, q), cache)
+    for i, (x, y) in enumerate(zip(outs[True][0], outs[False][0])):
+        assert mx.allclose(x, y, atol=1e-5), (i, mx.abs(x - y).max())
+    same_stored(outs[True][1], outs[False][1])
+
+
+def test_model_prefills_the_same_through_flash(monkeypatch, model_dir):
+    """A tiny qwen3 (grouped heads, every layer): float32 logits of a chunked prefill
+    and teacher-forced decode equal the blocked path's."""
+    model, _ = mlx_lm.load(str(model_dir("qwen3")))
+    tokens = random_tokens(100, seed=6)
+    logits = {}
+    for flash in (True, False):
+        monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
+        cache = tq.make_turboquant_cache(model, 4)
+        first = model(tokens[None, :40], cache=cache)[0]
+        rest = teacher_forced_logits(model, tokens[40:], cache, 25)
+        logits[flash] = mx.concatenate([first, rest])
+    assert mx.allclose(logits[True], logits[False], atol=1e-4), mx.abs(logits[True] - logits[False]).max()
+
 # ---------------------------------------------------------------------------
 # CUDA: the kernels against the reference
 
@@ -237,7 +272,8 @@ def test_encode_kernel_matches_quantize(dim, bits):
 
 @cuda
 @pytest.mark.parametrize("heads,dim,n,dtype", [((14, 2), 64, 700, mx.float32), ((28, 4), 128, 3000, mx.float32),
-                                               ((7, 1), 128, 300, mx.bfloat16)])  # fmt: skip
+                                               ((7, 1), 128, 300, mx.bfloat16),
+                                               ((2, 1), 64, 40000, mx.float32)])  # more chunks than merge threads # fmt: skip
 def test_step_kernel_matches_reference(heads, dim, n, dtype):
     """Many steps (window shifts, chunk splits), kernel vs reference on the same
     cache state each step: outputs within float32 rounding (bf16: 2e-2), windows equal."""
@@ -265,6 +301,36 @@ def test_step_kernel_matches_reference(heads, dim, n, dtype):
         slot = t - c._win_r0
         for got_w, ref_w in zip(c._win[:2], want_window[:2]):
             assert mx.array_equal(got_w[:, :, : slot + 1], ref_w[:, :, : slot + 1]), t
+
+
+@cuda
+@pytest.mark.parametrize("heads,dim", [((14, 2), 64), ((28, 4), 128)])
+def test_flash_on_cuda_matches_the_blocked_path(monkeypatch, heads, dim):
+    """bf16 prefill chunks and a verify pass through cuDNN's fused attention: the
+    blocked path's outputs within bf16 rounding (2e-2 of the largest)."""
+    n_heads, kv_heads = heads
+    schedule = [1500, 700, 1, 6, ("trim", 3), 300]
+    total = sum(x for x in schedule if isinstance(x, int))
+    k, v = kv(total, 41, heads=kv_heads, dim=dim, dtype=mx.bfloat16)
+    q = mx.random.normal((1, n_heads, total, dim), key=mx.random.key(42)).astype(mx.bfloat16)
+    outs = {}
+    for flash in (None, False):
+        monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
+        cache = tq.TurboQuantKVCache(4)
+        cache.routed = True
+        outs[flash] = drive(cache, schedule, k, v, q)
+    for i, (x, y) in enumerate(zip(outs[None], outs[False])):
+        err = mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max().item()
+        assert err <= 2e-2 * max(1.0, mx.abs(y).max().item()), (i, err)
+
+
+def test_step_chunks_cover_the_positions_in_at_most_step_blocks():
+    for positions in (1, 127, 128, 129, 1000, 8192, 32768, 40000, 10**6):
+        for rows in (1, 2, 3, 4, 28, 600):
+            chunks, span = kernels.step_chunks(positions, rows)
+            assert span % kernels.STEP_TILE == 0
+            assert (chunks - 1) * span < positions <= chunks * span
+            assert chunks <= kernels.STEP_BLOCKS  # the merge kernel's shared weights
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
