@@ -234,6 +234,7 @@ def test_flash_multi_query_passes_match_the_blocked_path(step_on_cpu, monkeypatc
     same_stored(outs[True][1], outs[False][1])
 
 
+@pytest.mark.skipif(kernels.available(), reason="float32 exactness is a CPU claim (CUDA: the bf16 test below)")
 def test_model_prefills_the_same_through_flash(monkeypatch, model_dir):
     """A tiny qwen3 (grouped heads, every layer): float32 logits of a chunked prefill
     and teacher-forced decode equal the blocked path's."""
