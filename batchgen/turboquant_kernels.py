@@ -24,6 +24,7 @@ value scales. Only the first n rows are read (`meta` = [n, capacity]).
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import mlx.core as mx
 
@@ -534,22 +535,27 @@ def _threads(dim: int) -> int:
     return max(128, dim)
 
 
+# name -> (input names, output names, body) of the step mode kernels.
+STEP_KERNELS = {
+    "tq_encode": (["x", "sign", "tab", "edge"], ["codes", "scales"], _ENCODE),
+    "tq_step": (
+        ["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wk", "wv", "wkc", "wvc", "wkq", "wvq",
+         "ktab", "kedge", "vtab", "vedge", "ksign", "vsign", "meta", "scale"],
+        ["part", "wk_out", "wv_out", "wkc_out", "wvc_out", "wkq_out", "wvq_out"],
+        _STEP,
+    ),
+    "tq_merge": (["part", "vsign", "meta"], ["out"], _MERGE),
+}  # fmt: skip
+
+
 @lru_cache(maxsize=None)
-def _step_kernel(name: str):
-    specs = {
-        "tq_encode": (["x", "sign", "tab", "edge"], ["codes", "scales"], _ENCODE),
-        "tq_step": (
-            ["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wk", "wv", "wkc", "wvc", "wkq", "wvq",
-             "ktab", "kedge", "vtab", "vedge", "ksign", "vsign", "meta", "scale"],
-            ["part", "wk_out", "wv_out", "wkc_out", "wvc_out", "wkq_out", "wvq_out"],
-            _STEP,
-        ),
-        "tq_merge": (["part", "vsign", "meta"], ["out"], _MERGE),
-    }  # fmt: skip
-    inputs, outputs, source = specs[name]
+def _step_kernel(name: str, body: Optional[str] = None):
+    """One of STEP_KERNELS (`body` replaces its source: benchmarks time variants)."""
+    inputs, outputs, source = STEP_KERNELS[name]
     # tq_step reads q and the new token through their strides; everything else it
     # takes is contiguous by construction (TurboQuantKVCache._enter_step).
-    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source, header=_STEP_HEADER,
+    return mx.fast.cuda_kernel(name=name if body is None else f"{name}_{abs(hash(body))}", input_names=inputs,
+                               output_names=outputs, source=body or source, header=_STEP_HEADER,
                                ensure_row_contiguous=name != "tq_step")  # fmt: skip
 
 

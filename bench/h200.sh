@@ -3,7 +3,7 @@
 # Run from the repo root on the device machine, with MLX unpacked in /tmp/site:
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
-#    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep)
+#    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -191,6 +191,10 @@ stage_tp05() {  # issue 8: the 0.5B shape alone, with time to finish
 stage_tqstep() {  # issue 7: the one-kernel decode step against its reference (stops the call if it fails), speed
   step tqs_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_step.py || return 1
   tq_attention tqs_attention 150
+}
+
+stage_tqprobe() {  # issue 7: where a step-mode step's time goes (launches, phases, fp16 alongside)
+  step tqprobe 240 python3 bench/turboquant_step_probe.py 0.5b,7b 1024,32768
 }
 
 stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache (TQ_RUNS: shape:context ...)

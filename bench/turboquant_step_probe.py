@@ -5,7 +5,10 @@
 Per row (ms, median; each figure includes its mx.eval): `full` = every layer's
 update_and_fetch + attention; `kernels` = the step and merge kernels alone, as many
 launches as layers, over one layer's captured arguments (no cache bookkeeping);
-`20_launches` = 20 launches of one layer's kernels. CUDA only (step mode).
+`step_only` / `merge_only` = one of the two, as many launches as layers; `empty` = as
+many launches of a custom kernel that writes one float as the step launches (two a
+layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.fast
+attention over an fp16 cache of the same context, every layer. CUDA only (step mode).
 """
 
 import json
@@ -62,6 +65,37 @@ def probe(shape: str, n: int) -> dict:
     row["kernels_ms"] = timed_ms(lambda: mx.eval([real(*args)[0] for _ in range(layers)]))
     row["20_launches_ms"] = timed_ms(lambda: mx.eval([real(*args)[0] for _ in range(20)]), 10)
     row["chunks"] = args[7]
+    q_, new_kv, sinks, coded, window, books, meta, chunks, scale, bits = args
+    launch, merge = kernels._step_launch(1, heads, dim, kv_heads, bits, (coded[0].shape[-1], coded[2].shape[-1]),
+                                         window[0].shape[2], chunks, q_.dtype)  # fmt: skip
+    step_k, merge_k = kernels._step_kernel("tq_step"), kernels._step_kernel("tq_merge")
+    part = step_k(inputs=[q_, *new_kv, *sinks, *coded, *window, *books, meta, scale], **launch)[0]
+    mx.eval(part)
+    row["step_only_ms"] = timed_ms(lambda: mx.eval([step_k(inputs=[q_, *new_kv, *sinks, *coded, *window, *books, meta,
+                                                                   scale], **launch)[0] for _ in range(layers)]))  # fmt: skip
+    row["merge_only_ms"] = timed_ms(lambda: mx.eval([merge_k(inputs=[part, books[5], meta], **merge)[0]
+                                                     for _ in range(layers)]))  # fmt: skip
+    empty = mx.fast.cuda_kernel(name="probe_empty", input_names=["x"], output_names=["y"],
+                                source="if (threadIdx.x == 0) y[0] = x[0];")  # fmt: skip
+    x = mx.zeros((16,))
+    mx.eval(x)
+    row["empty_ms"] = timed_ms(lambda: mx.eval([empty(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                                      output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+                                                for _ in range(2 * layers)]))  # fmt: skip
+    # The step kernel with one phase cut out (timing only: the outputs are wrong).
+    body = kernels.STEP_KERNELS["tq_step"][2]
+    cuts = {"no_values": ("    if (tid < D) {\n      const int i = tid;", "    if (false) {\n      const int i = tid;"),
+            "no_scores": ("for (int j = t0 + tid; j < t1; j += NT) {", "for (int j = t0 + tid; j < t0; j += NT) {")}
+    for name, (old, new) in cuts.items():
+        assert old in body, name
+        variant = kernels._step_kernel("tq_step", body.replace(old, new))
+        row[f"step_{name}_ms"] = timed_ms(lambda: mx.eval([variant(inputs=[q_, *new_kv, *sinks, *coded, *window, *books,
+                                                                   meta, scale], **launch)[0] for _ in range(layers)]))
+    row["builtin_ms"] = timed_ms(lambda: mx.eval([x + i for i in range(2 * layers)]))
+    ks = [mx.random.normal((1, kv_heads, n, dim)).astype(mx.bfloat16) for _ in range(2)]
+    mx.eval(ks)
+    row["fp16_ms"] = timed_ms(lambda: mx.eval([mx.fast.scaled_dot_product_attention(q, ks[0], ks[1], scale=dim**-0.5)
+                                               for _ in range(layers)]))  # fmt: skip
     return row
 
 
