@@ -194,7 +194,7 @@ stage_tqstep() {  # issue 7: the one-kernel decode step against its reference (s
 }
 
 stage_tqprobe() {  # issue 7: where a step-mode step's time goes (launches, phases, fp16 alongside)
-  step tqprobe 240 python3 bench/turboquant_step_probe.py 0.5b,7b 1024,32768
+  step tqprobe 240 python3 bench/turboquant_step_probe.py ${TQ_PROBE_SHAPES:-0.5b,7b} ${TQ_PROBE_CONTEXTS:-1024,32768}
 }
 
 stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache (TQ_RUNS: shape:context ...)

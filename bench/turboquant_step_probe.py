@@ -8,7 +8,9 @@ launches as layers, over one layer's captured arguments (no cache bookkeeping);
 `step_only` / `merge_only` = one of the two, as many launches as layers; `empty` = as
 many launches of a custom kernel that writes one float as the step launches (two a
 layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.fast
-attention over an fp16 cache of the same context, every layer. CUDA only (step mode).
+attention over an fp16 cache of the same context, every layer; `empty_step_args` /
+`empty_step_header` = an empty body with the step's arguments / header, one a layer.
+CUDA only (step mode).
 """
 
 import json
@@ -91,6 +93,20 @@ def probe(shape: str, n: int) -> dict:
         variant = kernels._step_kernel("tq_step", body.replace(old, new))
         row[f"step_{name}_ms"] = timed_ms(lambda: mx.eval([variant(inputs=[q_, *new_kv, *sinks, *coded, *window, *books,
                                                                    meta, scale], **launch)[0] for _ in range(layers)]))
+    # Host cost of a launch: the step's arguments (inputs, outputs, template) with an
+    # empty body, and an empty body with the step's header.
+    names = kernels.STEP_KERNELS["tq_step"]
+    wide = mx.fast.cuda_kernel(name="probe_wide", input_names=names[0], output_names=names[1],
+                               source="if (threadIdx.x == 0) part[0] = 0.0f;", ensure_row_contiguous=False)
+    wide_args = dict(launch, grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    row["empty_step_args_ms"] = timed_ms(lambda: mx.eval([wide(inputs=[q_, *new_kv, *sinks, *coded, *window, *books,
+                                                                      meta, scale], **wide_args)[0]
+                                                         for _ in range(layers)]))  # fmt: skip
+    headed = mx.fast.cuda_kernel(name="probe_headed", input_names=["x"], output_names=["y"],
+                                 source="if (threadIdx.x == 0) y[0] = x[0];", header=kernels._STEP_HEADER)
+    row["empty_step_header_ms"] = timed_ms(lambda: mx.eval([headed(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                                                   output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+                                                            for _ in range(layers)]))  # fmt: skip
     row["builtin_ms"] = timed_ms(lambda: mx.eval([x + i for i in range(2 * layers)]))
     ks = [mx.random.normal((1, kv_heads, n, dim)).astype(mx.bfloat16) for _ in range(2)]
     mx.eval(ks)
