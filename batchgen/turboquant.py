@@ -473,9 +473,10 @@ class TurboQuantKVCache(_BaseCache):
         self.routed = _attention_installed()
         self._chunk = None
         # Step mode (CUDA decode, see `_step_attention`): the token handed over by
-        # update_and_fetch, the window's arrays (wk, wv, wkc, wvc, wkq, wvq) and its
-        # positions: slot 0 holds position _win_r0, _win_n slots are in use, codes
-        # below position _win_cb are in the big buffers, above it in the window.
+        # update_and_fetch, the window's arrays (wx exact keys and values, wc key and
+        # value codes, wq their scales; slots on axis 2) and its positions: slot 0
+        # holds position _win_r0, _win_n slots are in use, codes below position
+        # _win_cb are in the big buffers, above it in the window.
         self._step_new = None
         self._win = None
         self._win_r0 = self._win_n = self._win_cb = 0
@@ -927,19 +928,12 @@ class TurboQuantKVCache(_BaseCache):
         p = self.offset - 1  # the handed-over token's position
         n, slots, dim = self._n_recent, self._recent_capacity + self.STEP_BLOCK, self.key_dim
 
-        def exact(recent):
-            fresh = mx.zeros((B, H, slots - n, dim), dtype)
-            return fresh if n == 0 else mx.concatenate([recent[:, :, -n:].astype(dtype), fresh], axis=2)
-
-        kw, vw = packed_words(dim, self.key_bits), packed_words(dim, self.value_bits)
-        self._win = (
-            exact(self.recent_keys),
-            exact(self.recent_values),
-            mx.zeros((B, H, slots, kw), mx.uint32),
-            mx.zeros((B, H, slots, vw), mx.uint32),
-            mx.zeros((B, H, slots), mx.float16),
-            mx.zeros((B, H, slots), mx.float16),
-        )
+        exact = mx.zeros((B, H, slots, 2, dim), dtype)
+        if n:
+            recent = mx.stack([self.recent_keys[:, :, -n:], self.recent_values[:, :, -n:]], axis=3)
+            exact = mx.concatenate([recent.astype(dtype), exact[:, :, n:]], axis=2)
+        words = packed_words(dim, self.key_bits) + packed_words(dim, self.value_bits)
+        self._win = (exact, mx.zeros((B, H, slots, words), mx.uint32), mx.zeros((B, H, slots, 2), mx.float16))
         self._win_r0, self._win_n, self._win_cb = p - n, n, p
         self.recent_keys = self.recent_values = None
         if self.key_codes is None:
@@ -952,31 +946,28 @@ class TurboQuantKVCache(_BaseCache):
 
     def _flush_window(self):
         """The window's codes for positions cb .. r0 + n - 1 into the big buffers."""
-        _, _, wkc, wvc, wkq, wvq = self._win
+        _, wc, wq = self._win
         r0, n, cb = self._win_r0, self._win_n, self._win_cb
         lo = cb - r0
         if n > lo:
             t0 = cb - self.sink_tokens
             t1 = t0 + n - lo
-            self._grow(wkc.shape[0], wkc.shape[1], t0, t1)
-            self.key_codes[:, :, t0:t1] = wkc[:, :, lo:n]
-            self.value_codes[:, :, t0:t1] = wvc[:, :, lo:n]
-            self.key_norms[:, :, t0:t1] = wkq[:, :, lo:n]
-            self.value_norms[:, :, t0:t1] = wvq[:, :, lo:n]
+            kw = self.key_codes.shape[-1]
+            self._grow(wc.shape[0], wc.shape[1], t0, t1)
+            self.key_codes[:, :, t0:t1] = wc[:, :, lo:n, :kw]
+            self.value_codes[:, :, t0:t1] = wc[:, :, lo:n, kw:]
+            self.key_norms[:, :, t0:t1] = wq[:, :, lo:n, 0]
+            self.value_norms[:, :, t0:t1] = wq[:, :, lo:n, 1]
         self._win_cb = r0 + n
 
     def _shift_window(self):
         """Room for the next token: flush, then move the last `_recent_capacity` slots to the front."""
         self._flush_window()
-        wk, wv, *coded = self._win
+        wx, *coded = self._win
         n = self._win_n
         keep = min(n, self._recent_capacity)
-
-        def moved(x):
-            fresh = mx.zeros((*x.shape[:2], x.shape[2] - keep, x.shape[3]), x.dtype)
-            return fresh if keep == 0 else mx.concatenate([x[:, :, n - keep : n], fresh], axis=2)
-
-        self._win = (moved(wk), moved(wv), *coded)
+        fresh = mx.zeros((*wx.shape[:2], wx.shape[2] - keep, *wx.shape[3:]), wx.dtype)
+        self._win = (fresh if keep == 0 else mx.concatenate([wx[:, :, n - keep : n], fresh], axis=2), *coded)
         self._win_r0 += n - keep
         self._win_n = keep
 
@@ -984,11 +975,11 @@ class TurboQuantKVCache(_BaseCache):
         if self._win is None:
             return
         self._flush_window()
-        wk, wv = self._win[:2]
+        wx = self._win[0]
         n = self._win_n
         keep = min(n, self._recent_capacity)
-        self.recent_keys = _detach(wk[:, :, n - keep : n]) if keep else None
-        self.recent_values = _detach(wv[:, :, n - keep : n]) if keep else None
+        self.recent_keys = _detach(wx[:, :, n - keep : n, 0]) if keep else None
+        self.recent_values = _detach(wx[:, :, n - keep : n, 1]) if keep else None
         self._win = None
 
     def _step_attention(self, queries: mx.array, scale: float) -> mx.array:
@@ -1012,10 +1003,9 @@ class TurboQuantKVCache(_BaseCache):
                   sinks[0].shape[2], span)  # fmt: skip
         meta = _kernels.constant(fields, lambda: mx.array(fields, dtype=mx.int32))
         coded = (self.key_codes, self.key_norms, self.value_codes, self.value_norms)
-        books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits)
-        scale_arr = _kernels.constant(("scale", scale), lambda: mx.array([scale], mx.float32))
+        books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits, scale)
         out, self._win = _kernels.step(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,
-                                       scale_arr, (self.key_bits, self.value_bits))  # fmt: skip
+                                       (self.key_bits, self.value_bits))  # fmt: skip
         self._win_n = p - r0 + 1
         return out
 
@@ -1026,10 +1016,12 @@ STEP_KERNEL = True
 
 
 @lru_cache(maxsize=None)
-def _step_books(dim: int, seed: int, key_bits: int, value_bits: int):
-    """(key levels, key edges, value levels, value edges, signs, signs) for `step`."""
-    signs = rotation(dim, seed).signs
-    return (*_codebook_arrays(key_bits), *_codebook_arrays(value_bits), signs, signs)
+def _step_books(dim: int, seed: int, key_bits: int, value_bits: int, scale: float) -> mx.array:
+    """`turboquant_kernels.step_books` of a layer (keys and values share its rotation)."""
+    books = _kernels.step_books(rotation(dim, seed).signs, *_codebook_arrays(key_bits),
+                                *_codebook_arrays(value_bits), scale)  # fmt: skip
+    mx.eval(books)
+    return books
 
 
 # Use the fused CUDA kernels (turboquant_kernels) where they apply; False keeps the

@@ -303,7 +303,12 @@ _ENCODE = """
 """
 
 _STEP = """
-  constexpr int NW = NT / 32;
+  constexpr int NT = D > 128 ? D : 128, NW = NT / 32, TILE = 128;
+  constexpr int WK = D * KB / 32, WV = D * VB / 32, WC = WK + WV;
+  // books: the rotation's signs, the scale, then each codebook's levels and edges.
+  const float* sign = books;
+  const float *ktab = books + D + 1, *kedge = ktab + (1 << KB), *vtab = kedge + (1 << KB) - 1;
+  const float* vedge = vtab + (1 << VB);
   const int p = meta[0], S = meta[1], cap = meta[2], cb = meta[3], r0 = meta[4];
   const int C = meta[5], e0 = meta[6], N = meta[7], SS = meta[8], span = meta[9];
   const int bk = blockIdx.x / C, c = blockIdx.x % C, b = bk / HKV, hk = bk % HKV;
@@ -321,32 +326,32 @@ _STEP = """
   __shared__ unsigned int svc[TILE * WV];
   __shared__ unsigned char eidx[2 * D];
 
-  // The window moves forward: block c copies the slots s = c (mod C), the new token
-  // into slot p - r0; two warps of the last block (the fewest positions) encode it.
+  // The window (slot s: exact key, exact value; key then value codes; two scales)
+  // moves forward: block c copies the slots s = c (mod C), the new token into slot
+  // p - r0; two warps of the last block (the fewest positions) encode it.
   const int slot = p - r0;
   for (int s = c; s < N; s += C) {
     const size_t row = kv * N + s;
     for (int t = tid; t < D; t += NT) {
-      wk_out[row * D + t] = s == slot ? knp[t * kns] : wk[row * D + t];
-      wv_out[row * D + t] = s == slot ? vnp[t * vns] : wv[row * D + t];
+      wx_out[(row * 2) * D + t] = s == slot ? knp[t * kns] : wx[(row * 2) * D + t];
+      wx_out[(row * 2 + 1) * D + t] = s == slot ? vnp[t * vns] : wx[(row * 2 + 1) * D + t];
     }
     if (s == slot) continue;
-    for (int t = tid; t < WK; t += NT) wkc_out[row * WK + t] = wkc[row * WK + t];
-    for (int t = tid; t < WV; t += NT) wvc_out[row * WV + t] = wvc[row * WV + t];
-    if (tid == 0) { wkq_out[row] = wkq[row]; wvq_out[row] = wvq[row]; }
+    for (int t = tid; t < WC; t += NT) wc_out[row * WC + t] = wc[row * WC + t];
+    if (tid < 2) wq_out[row * 2 + tid] = wq[row * 2 + tid];
   }
   const size_t at = kv * N + slot;
   if (c == C - 1 && warp == 0)
-    tq_encode_warp<D, KB, WK>(knp, kns, ksign, ktab, kedge, eidx, wkc_out + at * WK, wkq_out + at);
+    tq_encode_warp<D, KB, WK>(knp, kns, sign, ktab, kedge, eidx, wc_out + at * WC, wq_out + at * 2);
   if (c == C - 1 && warp == 1)
-    tq_encode_warp<D, VB, WV>(vnp, vns, vsign, vtab, vedge, eidx + D, wvc_out + at * WV, wvq_out + at);
+    tq_encode_warp<D, VB, WV>(vnp, vns, sign, vtab, vedge, eidx + D, wc_out + at * WC + WK, wq_out + at * 2 + 1);
 
   // Scaled queries of the group, plain and rotated (unnormalised: coded scores take 1 / D).
-  const float qs = scale[0];
+  const float qs = books[D];
   for (int t = tid; t < G * D; t += NT) {
     const float x = static_cast<float>(qb[(t / D) * q_strides[1] + (t % D) * q_strides[3]]) * qs;
     qp[t] = x;
-    qr[t] = x * ksign[t % D];
+    qr[t] = x * sign[t % D];
   }
   for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
   for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
@@ -364,16 +369,16 @@ _STEP = """
     const int c0 = max(t0, S), c1 = min(t1, e0);
     for (int t = tid; t < (c1 - c0) * WV; t += NT) {
       const int j = c0 + t / WV, x = t % WV;
-      svc[(j - t0) * WV + x] = j < cb ? vc[(kv * cap + j - S) * WV + x] : wvc[(kv * N + j - r0) * WV + x];
+      svc[(j - t0) * WV + x] = j < cb ? vc[(kv * cap + j - S) * WV + x] : wc[(kv * N + j - r0) * WC + WK + x];
     }
     for (int j = c0 + tid; j < c1; j += NT)
-      svs[j - t0] = __half2float(j < cb ? vq[kv * cap + j - S] : wvq[kv * N + j - r0]);
+      svs[j - t0] = __half2float(j < cb ? vq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2 + 1]);
     for (int j = t0 + tid; j < t1; j += NT) {
       float s[G];
       #pragma unroll
       for (int g = 0; g < G; g++) s[g] = 0.0f;
       if (j < S || j >= e0) {
-        const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wk + (kv * N + j - r0) * D);
+        const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
         const long long ks = j == p ? kns : 1;
         for (int i = 0; i < D; i++) {
           const float x = static_cast<float>(kr[i * ks]);
@@ -382,8 +387,8 @@ _STEP = """
         }
       } else {
         const bool big = j < cb;
-        const unsigned int* row = big ? kc + (kv * cap + j - S) * WK : wkc + (kv * N + j - r0) * WK;
-        const float f = __half2float(big ? kq[kv * cap + j - S] : wkq[kv * N + j - r0]) * (1.0f / D);
+        const unsigned int* row = big ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC;
+        const float f = __half2float(big ? kq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2]) * (1.0f / D);
         // A group of codes fills whole words (32 / gcd(KB, 32) codes): its words in
         // registers, its codes unrolled; the groups are not (registers).
         constexpr int GC = 32 / tq_gcd32(KB), GW = KB / tq_gcd32(KB);
@@ -443,7 +448,7 @@ _STEP = """
         for (int g = 0; g < G; g++) ar[g] += sc[g * TILE + j - t0] * x;
       }
       for (int j = max(t0, max(e0, S)); j < min(t1, p + 1); j++) {
-        const float x = static_cast<float>(j == p ? vnp[i * vns] : wv[(kv * N + j - r0) * D + i]);
+        const float x = static_cast<float>(j == p ? vnp[i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
         #pragma unroll
         for (int g = 0; g < G; g++) ap[g] += sc[g * TILE + j - t0] * x;
       }
@@ -511,10 +516,10 @@ _MERGE = """
   }
   __syncthreads();
   tq_wht<D>(ys, 1);
-  if (k == 0) tq_store(out + (size_t)bh * D + i, (a + ys[i] * vsign[i] * (1.0f / D)) / L);
+  if (k == 0) tq_store(out + (size_t)bh * D + i, (a + ys[i] * books[i] * (1.0f / D)) / L);
 """
 
-STEP_TILE = 128  # positions scored per shared-memory tile
+STEP_TILE = 128  # positions scored per shared-memory tile (the kernel's TILE)
 STEP_BLOCKS = 512  # blocks aimed at per step and layer: ~4 per SM of an H200 (66-86 registers a thread)
 MERGE_THREADS = 512
 
@@ -532,19 +537,15 @@ def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool
 
 
 def _threads(dim: int) -> int:
-    return max(128, dim)
+    return max(128, dim)  # the step kernel's NT
 
 
 # name -> (input names, output names, body) of the step mode kernels.
 STEP_KERNELS = {
     "tq_encode": (["x", "sign", "tab", "edge"], ["codes", "scales"], _ENCODE),
-    "tq_step": (
-        ["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wk", "wv", "wkc", "wvc", "wkq", "wvq",
-         "ktab", "kedge", "vtab", "vedge", "ksign", "vsign", "meta", "scale"],
-        ["part", "wk_out", "wv_out", "wkc_out", "wvc_out", "wkq_out", "wvq_out"],
-        _STEP,
-    ),
-    "tq_merge": (["part", "vsign", "meta"], ["out"], _MERGE),
+    "tq_step": (["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wx", "wc", "wq", "books", "meta"],
+                ["part", "wx_out", "wc_out", "wq_out"], _STEP),
+    "tq_merge": (["part", "books", "meta"], ["out"], _MERGE),
 }  # fmt: skip
 
 
@@ -584,21 +585,29 @@ def step_chunks(positions: int, rows: int) -> tuple:
     return -(-positions // span), span
 
 
+def step_books(signs, key_levels, key_edges, value_levels, value_edges, scale: float) -> mx.array:
+    """`step`'s constants as one float32 array (one kernel input, not seven): the
+    rotation's signs (D), the attention scale, the key codebook's levels and edges,
+    the value codebook's."""
+    parts = [signs, mx.array([scale], mx.float32), key_levels, key_edges, value_levels, value_edges]
+    return mx.concatenate([x.astype(mx.float32).reshape(-1) for x in parts])
+
+
 @lru_cache(maxsize=256)
-def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, words: tuple, slots: int,
-                 chunks: int, dtype) -> tuple:  # fmt: skip
-    """The two kernels' keyword arguments besides inputs (made once per shape: a
-    decode step of a small model is bound by host work like this)."""
-    (kb, vb), (wk, wv), threads = bits, words, _threads(dim)
-    window = (B, kv_heads, slots)
+def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slots: int, chunks: int,
+                 dtype) -> tuple:  # fmt: skip
+    """The two kernels' keyword arguments besides inputs (made once per shape). A
+    decode step of a small model is bound by host work per launch, which grows with
+    the launch's arguments: hence few inputs, outputs and template constants."""
+    (kb, vb), threads = bits, _threads(dim)
+    words = dim * (kb + vb) // 32
     step = dict(
-        template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb),
-                  ("WK", wk), ("WV", wv), ("NT", threads), ("TILE", STEP_TILE)],
+        template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb)],
         grid=(B * kv_heads * chunks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(B * n_heads, chunks, 2 * dim + 2), (*window, dim), (*window, dim), (*window, wk),
-                       (*window, wv), window, window],
-        output_dtypes=[mx.float32, dtype, dtype, mx.uint32, mx.uint32, mx.float16, mx.float16],
+        output_shapes=[(B * n_heads, chunks, 2 * dim + 2), (B, kv_heads, slots, 2, dim), (B, kv_heads, slots, words),
+                       (B, kv_heads, slots, 2)],
+        output_dtypes=[mx.float32, dtype, mx.uint32, mx.float16],
     )  # fmt: skip
     merge = dict(template=[("D", dim), ("NT", MERGE_THREADS), ("MAXC", STEP_BLOCKS)],
                  grid=(B * n_heads * MERGE_THREADS, 1, 1), threadgroup=(MERGE_THREADS, 1, 1),
@@ -606,16 +615,15 @@ def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, wor
     return step, merge
 
 
-def step(q, new, sinks, coded, window, books, meta, chunks: int, scale: mx.array, bits: tuple):
+def step(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple):
     """One decode step's attention (see above). q (B, Hq, 1, D); new = (k, v)
     (B, Hkv, 1, D); sinks = (k, v) (B, Hkv, SS, D); coded = (kc, kq, vc, vq) the
-    big buffers; window = (wk, wv, wkc, wvc, wkq, wvq) (B, Hkv, N, ...); books =
-    (ktab, kedge, vtab, vedge, ksign, vsign); meta int32 [p, S, cap, cb, r0,
-    chunks, e0, N, SS, span]. Returns (out (B, Hq, 1, D) in q's dtype, the
-    window's next arrays)."""
+    big buffers; window = (wx (B, Hkv, N, 2, D) exact keys and values, wc (B, Hkv,
+    N, WK + WV) key then value codes, wq (B, Hkv, N, 2) their scales); books from
+    `step_books`; meta int32 [p, S, cap, cb, r0, chunks, e0, N, SS, span]. Returns
+    (out (B, Hq, 1, D) in q's dtype, the window's next arrays)."""
     B, n_heads, _, dim = q.shape
-    words = (coded[0].shape[-1], coded[2].shape[-1])
-    launch, merge = _step_launch(B, n_heads, dim, new[0].shape[1], bits, words, window[0].shape[2], chunks, q.dtype)
-    outs = _step_kernel("tq_step")(inputs=[q, *new, *sinks, *coded, *window, *books, meta, scale], **launch)
-    out = _step_kernel("tq_merge")(inputs=[outs[0], books[5], meta], **merge)[0]
+    launch, merge = _step_launch(B, n_heads, dim, new[0].shape[1], bits, window[0].shape[2], chunks, q.dtype)
+    outs = _step_kernel("tq_step")(inputs=[q, *new, *sinks, *coded, *window, books, meta], **launch)
+    out = _step_kernel("tq_merge")(inputs=[outs[0], books, meta], **merge)[0]
     return out, tuple(outs[1:])

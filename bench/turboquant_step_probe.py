@@ -9,7 +9,9 @@ launches as layers, over one layer's captured arguments (no cache bookkeeping);
 many launches of a custom kernel that writes one float as the step launches (two a
 layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.fast
 attention over an fp16 cache of the same context, every layer; `empty_step_args` /
-`empty_step_header` = an empty body with the step's arguments / header, one a layer.
+`empty_step_header` = an empty body with the step's arguments / header, one a layer;
+`*_build` = host time building `full`'s / `kernels`' graph (no eval); `full_one_meta`
+= `full` with one meta array for every step (timing only).
 CUDA only (step mode).
 """
 
@@ -39,6 +41,19 @@ def timed_ms(fn, n: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
+def build_ms(build, n: int = 30) -> float:
+    times = []
+    for i in range(n + 3):
+        mx.synchronize()
+        start = time.perf_counter()
+        outs = build()
+        elapsed = time.perf_counter() - start
+        mx.eval(outs)
+        if i >= 3:
+            times.append(elapsed)
+    return statistics.median(times) * 1e3
+
+
 def probe(shape: str, n: int) -> dict:
     layers, heads, kv_heads, dim = SHAPES[shape]
     caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
@@ -65,17 +80,26 @@ def probe(shape: str, n: int) -> dict:
         kernels.step = real
     args = captured[0]
     row["kernels_ms"] = timed_ms(lambda: mx.eval([real(*args)[0] for _ in range(layers)]))
+    # Host time alone: building the graph, evaluated after the clock stops.
+    row["full_build_ms"] = build_ms(lambda: [(c.update_and_fetch(k, k), c.attention(q, dim**-0.5))[1] for c in caches])
+    row["kernels_build_ms"] = build_ms(lambda: [real(*args)[0] for _ in range(layers)])
+    # Every step with one meta array (made once): timing only, the outputs are wrong.
+    constant, first = kernels.constant, {}
+    kernels.constant = lambda key, make: first.setdefault("meta", constant(key, make)) if len(key) == 10 else constant(key, make)
+    try:
+        row["full_one_meta_ms"] = timed_ms(full)
+    finally:
+        kernels.constant = constant
     row["20_launches_ms"] = timed_ms(lambda: mx.eval([real(*args)[0] for _ in range(20)]), 10)
     row["chunks"] = args[7]
-    q_, new_kv, sinks, coded, window, books, meta, chunks, scale, bits = args
-    launch, merge = kernels._step_launch(1, heads, dim, kv_heads, bits, (coded[0].shape[-1], coded[2].shape[-1]),
-                                         window[0].shape[2], chunks, q_.dtype)  # fmt: skip
+    q_, new_kv, sinks, coded, window, books, meta, chunks, bits = args
+    step_in = [q_, *new_kv, *sinks, *coded, *window, books, meta]
+    launch, merge = kernels._step_launch(1, heads, dim, kv_heads, bits, window[0].shape[2], chunks, q_.dtype)
     step_k, merge_k = kernels._step_kernel("tq_step"), kernels._step_kernel("tq_merge")
-    part = step_k(inputs=[q_, *new_kv, *sinks, *coded, *window, *books, meta, scale], **launch)[0]
+    part = step_k(inputs=step_in, **launch)[0]
     mx.eval(part)
-    row["step_only_ms"] = timed_ms(lambda: mx.eval([step_k(inputs=[q_, *new_kv, *sinks, *coded, *window, *books, meta,
-                                                                   scale], **launch)[0] for _ in range(layers)]))  # fmt: skip
-    row["merge_only_ms"] = timed_ms(lambda: mx.eval([merge_k(inputs=[part, books[5], meta], **merge)[0]
+    row["step_only_ms"] = timed_ms(lambda: mx.eval([step_k(inputs=step_in, **launch)[0] for _ in range(layers)]))
+    row["merge_only_ms"] = timed_ms(lambda: mx.eval([merge_k(inputs=[part, books, meta], **merge)[0]
                                                      for _ in range(layers)]))  # fmt: skip
     empty = mx.fast.cuda_kernel(name="probe_empty", input_names=["x"], output_names=["y"],
                                 source="if (threadIdx.x == 0) y[0] = x[0];")  # fmt: skip
@@ -91,17 +115,14 @@ def probe(shape: str, n: int) -> dict:
     for name, (old, new) in cuts.items():
         assert old in body, name
         variant = kernels._step_kernel("tq_step", body.replace(old, new))
-        row[f"step_{name}_ms"] = timed_ms(lambda: mx.eval([variant(inputs=[q_, *new_kv, *sinks, *coded, *window, *books,
-                                                                   meta, scale], **launch)[0] for _ in range(layers)]))
+        row[f"step_{name}_ms"] = timed_ms(lambda: mx.eval([variant(inputs=step_in, **launch)[0] for _ in range(layers)]))
     # Host cost of a launch: the step's arguments (inputs, outputs, template) with an
     # empty body, and an empty body with the step's header.
     names = kernels.STEP_KERNELS["tq_step"]
     wide = mx.fast.cuda_kernel(name="probe_wide", input_names=names[0], output_names=names[1],
                                source="if (threadIdx.x == 0) part[0] = 0.0f;", ensure_row_contiguous=False)
     wide_args = dict(launch, grid=(32, 1, 1), threadgroup=(32, 1, 1))
-    row["empty_step_args_ms"] = timed_ms(lambda: mx.eval([wide(inputs=[q_, *new_kv, *sinks, *coded, *window, *books,
-                                                                      meta, scale], **wide_args)[0]
-                                                         for _ in range(layers)]))  # fmt: skip
+    row["empty_step_args_ms"] = timed_ms(lambda: mx.eval([wide(inputs=step_in, **wide_args)[0] for _ in range(layers)]))
     headed = mx.fast.cuda_kernel(name="probe_headed", input_names=["x"], output_names=["y"],
                                  source="if (threadIdx.x == 0) y[0] = x[0];", header=kernels._STEP_HEADER)
     row["empty_step_header_ms"] = timed_ms(lambda: mx.eval([headed(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),

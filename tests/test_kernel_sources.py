@@ -51,28 +51,27 @@ def compiles(tmp_path, source: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def step_inputs(dtype: str) -> list:
-    model = ("q", "kn", "vn", "sk", "sv")
-    codes = (("kc", "u32"), ("kq", "f16"), ("vc", "u32"), ("vq", "f16"))
-    window = (("wk", dtype), ("wv", dtype), ("wkc", "u32"), ("wvc", "u32"), ("wkq", "f16"), ("wvq", "f16"))
-    books = ("ktab", "kedge", "vtab", "vedge", "ksign", "vsign")
-    return ([(n, dtype) for n in model] + list(codes) + list(window) + [(n, "f32") for n in books]
-            + [("meta", "i32"), ("scale", "f32")])  # fmt: skip
+def step_dtypes(dtype: str) -> dict:
+    """Each step-mode kernel argument's dtype, the model's being `dtype`."""
+    model = ("q", "kn", "vn", "sk", "sv", "wx", "wx_out", "out")
+    fixed = {"kc": "u32", "vc": "u32", "wc": "u32", "wc_out": "u32", "kq": "f16", "vq": "f16", "wq": "f16",
+             "wq_out": "f16", "books": "f32", "part": "f32", "meta": "i32"}  # fmt: skip
+    return {**fixed, **{n: dtype for n in model}}
 
 
 @pytest.mark.parametrize("dim,group,bits,dtype", [(64, 7, (5, 3), "bf16"), (128, 8, (4, 2), "f32")])
 def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
     kb, vb = bits
-    wk, wv = dim * kb // 32, dim * vb // 32
-    outputs = [("part", "f32"), ("wk_out", dtype), ("wv_out", dtype), ("wkc_out", "u32"), ("wvc_out", "u32"),
-               ("wkq_out", "f16"), ("wvq_out", "f16")]  # fmt: skip
+    wk = dim * kb // 32
+    types = step_dtypes(dtype)
+    assert f"TILE = {K.STEP_TILE}" in K._STEP  # step_chunks splits positions in the kernel's tiles
     # The templates the real launches use (turboquant_kernels._step_launch).
     mx_dtype = {"bf16": mx.bfloat16, "f32": mx.float32}[dtype]
-    step, merge = K._step_launch(1, 2 * group, dim, 2, bits, (wk, wv), 44, 8, mx_dtype)
-    compiles(tmp_path, wrapped("tq_step", K._STEP_HEADER, K._STEP, step_inputs(dtype), outputs, step["template"]))
-    merge_inputs = [("part", "f32"), ("vsign", "f32"), ("meta", "i32")]
-    compiles(tmp_path, wrapped("tq_merge", K._STEP_HEADER, K._MERGE, merge_inputs, [("out", dtype)],
-                               merge["template"]))  # fmt: skip
+    launches = dict(zip(("tq_step", "tq_merge"), K._step_launch(1, 2 * group, dim, 2, bits, 44, 8, mx_dtype)))
+    for name, launch in launches.items():
+        inputs, outputs, body = K.STEP_KERNELS[name]
+        compiles(tmp_path, wrapped(name, K._STEP_HEADER, body, [(n, types[n]) for n in inputs],
+                                   [(n, types[n]) for n in outputs], launch["template"]))  # fmt: skip
     encode_inputs = [("x", dtype), ("sign", "f32"), ("tab", "f32"), ("edge", "f32")]
     compiles(tmp_path, wrapped("tq_encode", K._STEP_HEADER, K._ENCODE, encode_inputs,
                                [("codes", "u32"), ("scales", "f16")], [("D", dim), ("BITS", kb), ("W", wk)]))  # fmt: skip
