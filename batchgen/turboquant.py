@@ -1001,7 +1001,7 @@ class TurboQuantKVCache(_BaseCache):
         e0 = max(S, p - self.window + 1, r0)
         fields = (p, S, self.key_codes.shape[2], self._win_cb, r0, chunks, e0, self._win[0].shape[2],
                   sinks[0].shape[2], span)  # fmt: skip
-        meta = _kernels.constant(fields, lambda: mx.array(fields, dtype=mx.int32))
+        meta = _kernels.step_meta(fields)
         coded = (self.key_codes, self.key_norms, self.value_codes, self.value_norms)
         books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits, scale)
         out, self._win = _kernels.step(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,

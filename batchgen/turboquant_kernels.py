@@ -107,6 +107,30 @@ def constant(key, make):
     return _constants[key]
 
 
+_last_meta: list = [None, None]  # (fields, array) of the last step
+
+
+def step_meta(fields: tuple) -> mx.array:
+    """`step`'s meta array for `fields`, made on the device where it can be.
+
+    Every layer of a step shares one array. From one step to the next the fields
+    usually move by 0 or 1 each (the position, the window's edge): that array is the
+    last one plus a small constant, one device op, instead of a new host array whose
+    first use by a kernel costs a host-to-device transfer (H200 probe: 0.1-0.5 ms a
+    step, 0.5B shape). Any other change makes a host array.
+    """
+    last_fields, last = _last_meta
+    if fields == last_fields:
+        return last
+    delta = None if last_fields is None else tuple(a - b for a, b in zip(fields, last_fields))
+    if delta is not None and len(fields) == len(last_fields) and set(delta) <= {0, 1}:
+        meta = last + constant(("delta", delta), lambda: mx.array(delta, dtype=mx.int32))
+    else:
+        meta = mx.array(fields, dtype=mx.int32)
+    _last_meta[:] = [fields, meta]
+    return meta
+
+
 def available() -> bool:
     """CUDA present and the default device a GPU (the kernels have no CPU path)."""
     cuda = getattr(mx, "cuda", None)

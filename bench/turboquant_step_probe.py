@@ -11,7 +11,8 @@ layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.
 attention over an fp16 cache of the same context, every layer; `empty_step_args` /
 `empty_step_header` = an empty body with the step's arguments / header, one a layer;
 `*_build` = host time building `full`'s / `kernels`' graph (no eval); `full_one_meta`
-= `full` with one meta array for every step (timing only).
+= `full` with one meta array for every step (timing only); `full_N_blocks` = `full`
+with STEP_BLOCKS = N.
 CUDA only (step mode).
 """
 
@@ -84,12 +85,12 @@ def probe(shape: str, n: int) -> dict:
     row["full_build_ms"] = build_ms(lambda: [(c.update_and_fetch(k, k), c.attention(q, dim**-0.5))[1] for c in caches])
     row["kernels_build_ms"] = build_ms(lambda: [real(*args)[0] for _ in range(layers)])
     # Every step with one meta array (made once): timing only, the outputs are wrong.
-    constant, first = kernels.constant, {}
-    kernels.constant = lambda key, make: first.setdefault("meta", constant(key, make)) if len(key) == 10 else constant(key, make)
+    step_meta, first = kernels.step_meta, {}
+    kernels.step_meta = lambda fields: first.setdefault("meta", step_meta(fields))
     try:
         row["full_one_meta_ms"] = timed_ms(full)
     finally:
-        kernels.constant = constant
+        kernels.step_meta = step_meta
     row["20_launches_ms"] = timed_ms(lambda: mx.eval([real(*args)[0] for _ in range(20)]), 10)
     row["chunks"] = args[7]
     q_, new_kv, sinks, coded, window, books, meta, chunks, bits = args
@@ -128,6 +129,14 @@ def probe(shape: str, n: int) -> dict:
     row["empty_step_header_ms"] = timed_ms(lambda: mx.eval([headed(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                                                                    output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
                                                             for _ in range(layers)]))  # fmt: skip
+    # Blocks per step and layer (STEP_BLOCKS) against the whole step.
+    default = kernels.STEP_BLOCKS
+    try:
+        for blocks in (256, 1024, 2048):
+            kernels.STEP_BLOCKS = blocks
+            row[f"full_{blocks}_blocks_ms"] = timed_ms(full)
+    finally:
+        kernels.STEP_BLOCKS = default
     row["builtin_ms"] = timed_ms(lambda: mx.eval([x + i for i in range(2 * layers)]))
     ks = [mx.random.normal((1, kv_heads, n, dim)).astype(mx.bfloat16) for _ in range(2)]
     mx.eval(ks)

@@ -326,6 +326,23 @@ def test_flash_on_cuda_matches_the_blocked_path(monkeypatch, heads, dim):
         assert err <= 2e-2 * max(1.0, mx.abs(y).max().item()), (i, err)
 
 
+def test_step_meta_follows_the_fields(monkeypatch):
+    """Steps that move fields by 0 or 1 derive the array on the device; any other
+    change makes a new one; the values are the fields either way."""
+    monkeypatch.setattr(kernels, "_last_meta", [None, None])
+    made = []
+    real_array = mx.array
+    monkeypatch.setattr(kernels.mx, "array", lambda *a, **k: made.append(a[0]) or real_array(*a, **k))
+    seq = [(5, 4, 256, 5, 0, 1, 5, 44, 4, 128), (6, 4, 256, 5, 0, 1, 6, 44, 4, 128), (7, 4, 256, 5, 0, 1, 6, 44, 4, 128),
+           (7, 4, 256, 5, 0, 1, 6, 44, 4, 128), (40, 4, 256, 37, 35, 1, 37, 44, 4, 128), (41, 4, 256, 37, 35, 1, 38, 44, 4, 128)]
+    got = [kernels.step_meta(f) for f in seq]
+    for fields, meta in zip(seq, got):
+        assert np.array(meta).tolist() == list(fields)
+    assert got[3] is got[2]
+    fresh = [m for m in made if m in seq]  # not the deltas (0 / 1 constants)
+    assert fresh == [seq[0], seq[4]]  # the rest moved by 0 or 1
+
+
 def test_step_chunks_cover_the_positions_in_at_most_step_blocks():
     for positions in (1, 127, 128, 129, 1000, 8192, 32768, 40000, 10**6):
         for rows in (1, 2, 3, 4, 28, 600):
