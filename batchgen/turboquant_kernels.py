@@ -235,18 +235,33 @@ __device__ __forceinline__ void tq_store(__nv_bfloat16* p, float v) { *p = __flo
 
 // Unnormalised Walsh-Hadamard transform (natural order, as mx.hadamard_transform
 // times sqrt(D)) of `count` arrays of D floats in shared memory, by the block.
+// Element i of array a is x[a * astride + i * estride].
 template <int D>
-__device__ __forceinline__ void tq_wht(float* x, int count) {
+__device__ __forceinline__ void tq_wht(float* x, int count, int estride = 1, int astride = D) {
   for (int h = 1; h < D; h <<= 1) {
     for (int t = threadIdx.x; t < count * (D / 2); t += blockDim.x) {
       const int a = t / (D / 2), r = t % (D / 2);
-      float* y = x + a * D;
+      float* y = x + a * astride;
       const int i = (r / h) * 2 * h + (r % h);
-      const float u = y[i], v = y[i + h];
-      y[i] = u + v;
-      y[i + h] = u - v;
+      const float u = y[i * estride], v = y[(i + h) * estride];
+      y[i * estride] = u + v;
+      y[(i + h) * estride] = u - v;
     }
     __syncthreads();
+  }
+}
+
+// acc[g] += w[g] * x for the GP (a multiple of 4) values at w, 16-byte aligned
+// shared memory: float4 loads.
+template <int GP>
+__device__ __forceinline__ void tq_fma4(float* acc, const float* w, float x) {
+  #pragma unroll
+  for (int g = 0; g < GP; g += 4) {
+    const float4 y = *reinterpret_cast<const float4*>(w + g);
+    acc[g] += y.x * x;
+    acc[g + 1] += y.y * x;
+    acc[g + 2] += y.z * x;
+    acc[g + 3] += y.w * x;
   }
 }
 
@@ -345,7 +360,10 @@ _STEP = """
   const auto* knp = kn + b * kn_strides[0] + hk * kn_strides[1];
   const auto* vnp = vn + b * vn_strides[0] + hk * vn_strides[1];
   const long long kns = kn_strides[3], vns = vn_strides[3];
-  __shared__ float qp[G * D], qr[G * D], sc[G * TILE], tk[1 << KB], tv[1 << VB];
+  constexpr int GP = (G + 3) / 4 * 4, K = NT / D;
+  static_assert(K == 1 || (K == 2 && 2 * D <= TILE), "value groups");
+  __shared__ __align__(16) float qp[GP * D], qr[GP * D], sc[GP * TILE];
+  __shared__ float tk[1 << KB], tv[1 << VB];
   __shared__ float fm[G], fl[G], fc[G], svs[TILE];
   __shared__ unsigned int svc[TILE * WV];
   __shared__ unsigned char eidx[2 * D];
@@ -370,22 +388,28 @@ _STEP = """
   if (c == C - 1 && warp == 1)
     tq_encode_warp<D, VB, WV>(vnp, vns, sign, vtab, vedge, eidx + D, wc_out + at * WC + WK, wq_out + at * 2 + 1);
 
-  // Scaled queries of the group, plain and rotated (unnormalised: coded scores take 1 / D).
+  // Scaled queries of the group, plain and rotated (unnormalised: coded scores take
+  // 1 / D), stored coordinate-major with the heads padded to GP: a coordinate's GP
+  // values are GP / 4 float4 loads (one shared-memory load per head was the cost).
   const float qs = books[D];
-  for (int t = tid; t < G * D; t += NT) {
-    const float x = static_cast<float>(qb[(t / D) * q_strides[1] + (t % D) * q_strides[3]]) * qs;
+  for (int t = tid; t < GP * D; t += NT) {
+    const int g = t % GP, i = t / GP;
+    const float x = g < G ? static_cast<float>(qb[g * q_strides[1] + i * q_strides[3]]) * qs : 0.0f;
     qp[t] = x;
-    qr[t] = x * sign[t % D];
+    qr[t] = x * sign[i];
   }
   for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
   for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
   if (tid < G) { fm[tid] = -INFINITY; fl[tid] = 0.0f; }
   __syncthreads();
-  tq_wht<D>(qr, G);
+  tq_wht<D>(qr, GP, GP, 1);
 
-  float ar[G], ap[G];
+  // Values: K groups of D lanes (K = 2 when D = 64), group k takes positions k mod K.
+  const int i = tid % D, k = tid / D;
+  auto from = [&](int j) { return j + ((k - j) & (K - 1)); };
+  float ar[GP], ap[GP];
   #pragma unroll
-  for (int g = 0; g < G; g++) { ar[g] = 0.0f; ap[g] = 0.0f; }
+  for (int g = 0; g < GP; g++) { ar[g] = 0.0f; ap[g] = 0.0f; }
   for (int t0 = lo; t0 < hi; t0 += TILE) {
     const int t1 = min(hi, t0 + TILE);
     // The tile's coded values (codes, scales) into shared memory in one coalesced
@@ -398,17 +422,13 @@ _STEP = """
     for (int j = c0 + tid; j < c1; j += NT)
       svs[j - t0] = __half2float(j < cb ? vq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2 + 1]);
     for (int j = t0 + tid; j < t1; j += NT) {
-      float s[G];
+      float s[GP];
       #pragma unroll
-      for (int g = 0; g < G; g++) s[g] = 0.0f;
+      for (int g = 0; g < GP; g++) s[g] = 0.0f;
       if (j < S || j >= e0) {
         const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
         const long long ks = j == p ? kns : 1;
-        for (int i = 0; i < D; i++) {
-          const float x = static_cast<float>(kr[i * ks]);
-          #pragma unroll
-          for (int g = 0; g < G; g++) s[g] += qp[g * D + i] * x;
-        }
+        for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
       } else {
         const bool big = j < cb;
         const unsigned int* row = big ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC;
@@ -421,29 +441,26 @@ _STEP = """
           #pragma unroll
           for (int x = 0; x < GW; x++) w[x] = row[gi * GW + x];
           #pragma unroll
-          for (int u = 0; u < GC; u++) {
-            const float x = tk[tq_code<KB>(w, u)];
-            #pragma unroll
-            for (int g = 0; g < G; g++) s[g] += qr[g * D + gi * GC + u] * x;
-          }
+          for (int u = 0; u < GC; u++) tq_fma4<GP>(s, qr + (gi * GC + u) * GP, tk[tq_code<KB>(w, u)]);
         }
         #pragma unroll
-        for (int g = 0; g < G; g++) s[g] *= f;
+        for (int g = 0; g < GP; g++) s[g] *= f;
       }
       #pragma unroll
-      for (int g = 0; g < G; g++) sc[g * TILE + j - t0] = s[g];
+      for (int g = 0; g < GP; g += 4)
+        *reinterpret_cast<float4*>(sc + (j - t0) * GP + g) = make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
     }
     __syncthreads();
     for (int g = warp; g < G; g += NW) {  // online softmax, a warp per head
       float mt = -INFINITY;
-      for (int t = lane; t < t1 - t0; t += 32) mt = fmaxf(mt, sc[g * TILE + t]);
+      for (int t = lane; t < t1 - t0; t += 32) mt = fmaxf(mt, sc[t * GP + g]);
       #pragma unroll
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
       const float mo = fm[g], mn = fmaxf(mo, mt);
       float lt = 0.0f;
       for (int t = lane; t < t1 - t0; t += 32) {
-        const float e = expf(sc[g * TILE + t] - mn);
-        sc[g * TILE + t] = e;
+        const float e = expf(sc[t * GP + g] - mn);
+        sc[t * GP + g] = e;
         lt += e;
       }
       #pragma unroll
@@ -457,27 +474,28 @@ _STEP = """
       }
     }
     __syncthreads();
-    if (tid < D) {
-      const int i = tid;
-      #pragma unroll
-      for (int g = 0; g < G; g++) { ar[g] *= fc[g]; ap[g] *= fc[g]; }
-      for (int j = t0; j < min(t1, S); j++) {
-        const float x = static_cast<float>(sv[(kv * SS + j) * D + i]);
-        #pragma unroll
-        for (int g = 0; g < G; g++) ap[g] += sc[g * TILE + j - t0] * x;
-      }
-      for (int j = c0; j < c1; j++) {
-        const float x = tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0];
-        #pragma unroll
-        for (int g = 0; g < G; g++) ar[g] += sc[g * TILE + j - t0] * x;
-      }
-      for (int j = max(t0, max(e0, S)); j < min(t1, p + 1); j++) {
-        const float x = static_cast<float>(j == p ? vnp[i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
-        #pragma unroll
-        for (int g = 0; g < G; g++) ap[g] += sc[g * TILE + j - t0] * x;
-      }
+    #pragma unroll
+    for (int g = 0; g < G; g++) { ar[g] *= fc[g]; ap[g] *= fc[g]; }
+    for (int j = from(t0); j < min(t1, S); j += K)
+      tq_fma4<GP>(ap, sc + (j - t0) * GP, static_cast<float>(sv[(kv * SS + j) * D + i]));
+    for (int j = from(c0); j < c1; j += K)
+      tq_fma4<GP>(ar, sc + (j - t0) * GP, tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0]);
+    for (int j = from(max(t0, max(e0, S))); j < min(t1, p + 1); j += K) {
+      const float x = static_cast<float>(j == p ? vnp[i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
+      tq_fma4<GP>(ap, sc + (j - t0) * GP, x);
     }
     __syncthreads();
+  }
+  if (K > 1) {  // group 1 hands its sums to group 0 through the score tile (2 * GP * D <= GP * TILE)
+    if (k == 1) {
+      #pragma unroll
+      for (int g = 0; g < G; g++) { sc[g * D + i] = ar[g]; sc[(GP + g) * D + i] = ap[g]; }
+    }
+    __syncthreads();
+    if (k == 0) {
+      #pragma unroll
+      for (int g = 0; g < G; g++) { ar[g] += sc[g * D + i]; ap[g] += sc[(GP + g) * D + i]; }
+    }
   }
   if (tid < D) {
     #pragma unroll
