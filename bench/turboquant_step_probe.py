@@ -111,11 +111,15 @@ def probe(shape: str, n: int) -> dict:
                                                 for _ in range(2 * layers)]))  # fmt: skip
     # The step kernel with one phase cut out (timing only: the outputs are wrong).
     body = kernels.STEP_KERNELS["tq_step"][2]
-    cuts = {"no_values": ("    if (tid < D) {\n      const int i = tid;", "    if (false) {\n      const int i = tid;"),
-            "no_scores": ("for (int j = t0 + tid; j < t1; j += NT) {", "for (int j = t0 + tid; j < t0; j += NT) {")}
-    for name, (old, new) in cuts.items():
-        assert old in body, name
-        variant = kernels._step_kernel("tq_step", body.replace(old, new))
+    cuts = {"no_values": [("j < min(t1, S); j += K)", "j < t0; j += K)"), ("j < c1; j += K)", "j < t0; j += K)"),
+                          ("j < min(t1, p + 1); j += K)", "j < t0; j += K)")],
+            "no_scores": [("for (int j = t0 + tid; j < t1; j += NT) {", "for (int j = t0 + tid; j < t0; j += NT) {")]}
+    for name, edits in cuts.items():
+        variant_body = body
+        for old, new in edits:
+            assert old in variant_body, (name, old)
+            variant_body = variant_body.replace(old, new)
+        variant = kernels._step_kernel("tq_step", variant_body)
         row[f"step_{name}_ms"] = timed_ms(lambda: mx.eval([variant(inputs=step_in, **launch)[0] for _ in range(layers)]))
     # Host cost of a launch: the step's arguments (inputs, outputs, template) with an
     # empty body, and an empty body with the step's header.
