@@ -800,6 +800,8 @@ class TurboQuantKVCache(_BaseCache):
         """
         if sinks is not None:
             raise ValueError("TurboQuantKVCache attention does not take `sinks`")
+        if queries.shape[2] == 1 and _FLASH_MASK[0] is not None:
+            _FLASH_MASK[:] = [None, None]  # the prefill's mask (L_q x context) is done with
         if self._step_new is not None:
             if self._step_fits(queries, mask):
                 return self._step_attention(queries, scale)

@@ -234,6 +234,7 @@ def test_flash_multi_query_passes_match_the_blocked_path(step_on_cpu, monkeypatc
     for i, (x, y) in enumerate(zip(outs[True][0], outs[False][0])):
         assert mx.allclose(x, y, atol=1e-5), (i, mx.abs(x - y).max())
     same_stored(outs[True][1], outs[False][1])
+    assert tq._FLASH_MASK[0] is None  # every schedule ends decoding: the prefill's mask is let go
 
 
 @pytest.mark.skipif(kernels.available(), reason="float32 exactness is a CPU claim (CUDA: the bf16 test below)")
