@@ -962,26 +962,31 @@ class TurboQuantKVCache(_BaseCache):
             self.value_norms[:, :, t0:t1] = wq[:, :, lo:n, 1]
         self._win_cb = r0 + n
 
-    def _shift_window(self):
-        """Room for the next token: flush, then move the last `_recent_capacity` slots to the front."""
-        self._flush_window()
-        wx, *coded = self._win
+    def _kept_slots(self) -> Optional[mx.array]:
+        """The window's exact keys and values worth keeping (the last
+        `_recent_capacity` slots in use), (B, H, n, 2, D); None if none."""
         n = self._win_n
         keep = min(n, self._recent_capacity)
+        return self._win[0][:, :, n - keep : n] if keep else None
+
+    def _shift_window(self):
+        """Room for the next token: flush, then move the kept slots to the front."""
+        self._flush_window()
+        wx, *coded = self._win
+        kept = self._kept_slots()
+        keep = 0 if kept is None else kept.shape[2]
         fresh = mx.zeros((*wx.shape[:2], wx.shape[2] - keep, *wx.shape[3:]), wx.dtype)
-        self._win = (fresh if keep == 0 else mx.concatenate([wx[:, :, n - keep : n], fresh], axis=2), *coded)
-        self._win_r0 += n - keep
+        self._win = (fresh if kept is None else mx.concatenate([kept, fresh], axis=2), *coded)
+        self._win_r0 += self._win_n - keep
         self._win_n = keep
 
     def _leave_step(self):
         if self._win is None:
             return
         self._flush_window()
-        wx = self._win[0]
-        n = self._win_n
-        keep = min(n, self._recent_capacity)
-        self.recent_keys = _detach(wx[:, :, n - keep : n, 0]) if keep else None
-        self.recent_values = _detach(wx[:, :, n - keep : n, 1]) if keep else None
+        kept = self._kept_slots()
+        self.recent_keys = None if kept is None else _detach(kept[..., 0, :])
+        self.recent_values = None if kept is None else _detach(kept[..., 1, :])
         self._win = None
 
     def _step_attention(self, queries: mx.array, scale: float) -> mx.array:
