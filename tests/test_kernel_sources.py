@@ -53,25 +53,25 @@ def compiles(tmp_path, source: str) -> None:
 
 def step_dtypes(dtype: str) -> dict:
     """Each step-mode kernel argument's dtype, the model's being `dtype`."""
-    model = ("q", "kn", "vn", "sk", "sv", "wx", "wx_out", "out")
-    fixed = {"kc": "u32", "vc": "u32", "wc": "u32", "wc_out": "u32", "kq": "f16", "vq": "f16", "wq": "f16",
-             "wq_out": "f16", "books": "f32", "part": "f32", "meta": "i32"}  # fmt: skip
+    model = ("q", "kn", "vn", "sk", "sv", "wx", "wx_out", "out", "x")
+    fixed = {"kc": "u32", "vc": "u32", "wc": "u32", "wc_out": "u32", "codes": "u32", "kq": "f16", "vq": "f16",
+             "wq": "f16", "wq_out": "f16", "scales": "f16", "books": "f32", "part": "f32", "sign": "f32",
+             "tab": "f32", "edge": "f32", "meta": "i32"}  # fmt: skip
     return {**fixed, **{n: dtype for n in model}}
 
 
 @pytest.mark.parametrize("dim,group,bits,dtype", [(64, 7, (5, 3), "bf16"), (128, 8, (4, 2), "f32")])
 def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
-    kb, vb = bits
+    kb = bits[0]
     wk = dim * kb // 32
     types = step_dtypes(dtype)
     assert f"TILE = {K.STEP_TILE}" in K._STEP  # step_chunks splits positions in the kernel's tiles
     # The templates the real launches use (turboquant_kernels._step_launch).
     mx_dtype = {"bf16": mx.bfloat16, "f32": mx.float32}[dtype]
-    launches = dict(zip(("tq_step", "tq_merge"), K._step_launch(1, 2 * group, dim, 2, bits, 44, 8, mx_dtype)))
-    for name, launch in launches.items():
+    step, merge = K._step_launch(1, 2 * group, dim, 2, bits, 44, 8, mx_dtype)
+    templates = {"tq_step": step["template"], "tq_merge": merge["template"],
+                 "tq_encode": [("D", dim), ("BITS", kb), ("W", wk)]}  # fmt: skip
+    for name, template in templates.items():
         inputs, outputs, body = K.STEP_KERNELS[name]
         compiles(tmp_path, wrapped(name, K._STEP_HEADER, body, [(n, types[n]) for n in inputs],
-                                   [(n, types[n]) for n in outputs], launch["template"]))  # fmt: skip
-    encode_inputs = [("x", dtype), ("sign", "f32"), ("tab", "f32"), ("edge", "f32")]
-    compiles(tmp_path, wrapped("tq_encode", K._STEP_HEADER, K._ENCODE, encode_inputs,
-                               [("codes", "u32"), ("scales", "f16")], [("D", dim), ("BITS", kb), ("W", wk)]))  # fmt: skip
+                                   [(n, types[n]) for n in outputs], template))  # fmt: skip
