@@ -209,8 +209,9 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 #     TILE at a time: scores of the group's G query heads into shared memory
 #     (exact positions against the scaled query, coded ones against the rotated
 #     query: (R q).(R k) = q.k), an online softmax per head, then thread i adds
-#     coordinate i of the probability-weighted values, coded ones in the
-#     rotated domain, exact ones in the plain one;
+#     coordinate i of the probability-weighted values (at D = 64 two threads,
+#     each half the positions), coded ones in the rotated domain, exact ones in
+#     the plain one;
 #   * `merge` combines the chunks' (max, sum, two accumulators) per query head
 #     and takes the rotated sum back with the inverse rotation;
 #   * the cache's recent positions live in a small window of slots (exact
@@ -562,7 +563,7 @@ _MERGE = """
 """
 
 STEP_TILE = 128  # positions scored per shared-memory tile (the kernel's TILE)
-STEP_BLOCKS = 512  # blocks aimed at per step and layer: ~4 per SM of an H200 (66-86 registers a thread)
+STEP_BLOCKS = 512  # blocks aimed at per step and layer: ~4 per SM of an H200 (66-89 registers a thread)
 MERGE_THREADS = 512
 
 
@@ -573,8 +574,9 @@ def encode_supported(dim: int) -> bool:
 
 
 def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool:
-    """Shapes `step` takes: `encode_supported` dims, the group's queries (G x D
-    floats, twice) and a tile of value codes in shared memory."""
+    """Shapes `step` takes: `encode_supported` dims, the group's queries in shared
+    memory (G x D floats, twice, the heads padded to a multiple of 4: still at most
+    1024 floats for D >= 64) and a tile of value codes."""
     return encode_supported(dim) and 1 <= group and group * dim <= 1024 and key_bits <= 5 and value_bits <= 4
 
 
