@@ -79,9 +79,6 @@ class EngineConfig:
     # Plain-op attention for passes of 2..256 queries (PLD verify, prompt tails):
     # None = where the fused kernel builds per shape (MLX's CUDA backend).
     short_attention: bool | None = None
-    # Projections of 2..16 rows (batched decode, PLD verify) through batchgen's own
-    # kernel instead of cuBLASLt (`small_matmul`): None = on CUDA, the only place it runs.
-    small_matmul: bool | None = None
     batch_size: int | str | None = 1  # None: the device's default; "auto": fit the KV budget
     kv_budget_bytes: int | None = None  # batch KV cache budget (None: half the free memory)
     prefill_step_size: int = 2048

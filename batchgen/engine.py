@@ -365,7 +365,6 @@ class Engine:
         self.model_config = model_config
         self.context_length = context_length(model_config)
         self.fusion_report = None
-        self.small_matmul_layers = 0  # projections that run batchgen's few-row kernel
         self.load_s = 0.0
         self.model_memory_gb = 0.0
         self._digest = None
@@ -393,8 +392,7 @@ class Engine:
         return engine
 
     def make_fast(self) -> None:
-        """Load-time transforms: dtype, weight fusion, the short-pass attention hook,
-        few-row projections through batchgen's kernel (CUDA)."""
+        """Load-time transforms: dtype, weight fusion, the short-pass attention hook."""
         if self.config.dtype:
             cast_floats(self.model, getattr(mx, self.config.dtype))
         if self.config.fuse:
@@ -405,10 +403,6 @@ class Engine:
             from .attention import install_short_attention
 
             install_short_attention(self.model)
-        if self.config.small_matmul is not False:
-            from .small_matmul import install_small_matmul
-
-            self.small_matmul_layers = install_small_matmul(self.model)
         mx.clear_cache()
         self.model_memory_gb = mx.get_active_memory() / 1e9
 

@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    smallmm stepops)
+#    stepops)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -171,11 +171,6 @@ stage_copyprobe() {  # issue 8: do steps copy whole KV buffers (time growing wit
     --capacities 4096 --out "$R/copyprobe_7b.json"
   MLX_MAX_OPS_PER_BUFFER=400 step opsknob_0.5b 100 python3 bench/batch_step.py --shape qwen2.5-0.5b --rows 8,32 \
     --context 512 --fused-only --out "$R/opsknob_0.5b.json"
-}
-
-stage_smallmm() {  # issue 8: few-row projections, MLX's matmul against batchgen's kernel; batch step with each
-  step smallmm 300 python3 bench/small_matmul_probe.py --shapes "${SMALLMM_SHAPES:-qwen2.5-0.5b,qwen2.5-7b}" \
-    --parts "${SMALLMM_PARTS:-check,host,gpu,step}" --out "$R/small_matmul.json"
 }
 
 stage_stepops() {  # issue 8: a batch step's primitives by kind, the step with RoPE / norms / MLP taken out;

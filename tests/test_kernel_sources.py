@@ -15,7 +15,6 @@ import subprocess
 import mlx.core as mx
 import pytest
 
-from batchgen import small_matmul as S
 from batchgen import turboquant_kernels as K
 
 nvcc = shutil.which("nvcc")
@@ -27,22 +26,19 @@ STANDIN = """
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/array>
-using Shape = cuda::std::array<int32_t, 10>;
 using Strides = cuda::std::array<int64_t, 10>;
 """
-CUDA_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half", "u32": "uint32_t", "i32": "int32_t"}  # fmt: skip
+CUDA_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half", "u32": "uint32_t", "i32": "int32_t"}
 
 
 def wrapped(name: str, header: str, body: str, inputs: list, outputs: list, template: list) -> str:
     params = []
     for arg, dtype in inputs:
         params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
-        for info, kind in (("shape", "Shape"), ("strides", "Strides")):
-            if f"{arg}_{info}" in body:
-                params.append(f"const __grid_constant__ {kind} {arg}_{info}")
+        if f"{arg}_strides" in body:
+            params.append(f"const __grid_constant__ Strides {arg}_strides")
     params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
-    constants = "".join(f"  using {k} = {CUDA_TYPES[v[6:]]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
-                        for k, v in template)  # fmt: skip
+    constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
     return (f"{STANDIN}{header}\nnamespace mlx::core::cu {{\n__global__ void custom_kernel_{name}(\n  "
             + ",\n  ".join(params) + f") {{\n{constants}{body}\n}}\n}}\n")  # fmt: skip
 
@@ -79,13 +75,3 @@ def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
         inputs, outputs, body = K.STEP_KERNELS[name]
         compiles(tmp_path, wrapped(name, K._STEP_HEADER, body, [(n, types[n]) for n in inputs],
                                    [(n, types[n]) for n in outputs], template))  # fmt: skip
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
-@pytest.mark.parametrize("rows", [2, 5, 16])
-def test_small_matmul_kernels_compile(tmp_path, dtype, rows):
-    mx_dtype = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}[dtype]
-    template = [(k, f"dtype:{dtype}" if k == "T" else v) for k, v in S.launch(rows, 896, mx_dtype)["template"]]
-    for name, (inputs, outputs, body) in S.KERNELS.items():
-        compiles(tmp_path, wrapped(name, S._HEADER, body, [(n, dtype) for n in inputs],
-                                   [(n, dtype) for n in outputs], template))  # fmt: skip
