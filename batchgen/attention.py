@@ -33,7 +33,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .compiled_step import StepCache, kernel_head_size
+from .compiled_step import StepCache, kernel_head_size, kernel_takes
 from .turboquant_kernels import available as _cuda  # CUDA present, the default device a GPU
 from .turboquant_kernels import constant
 
@@ -128,7 +128,7 @@ def uninstall_short_attention(model) -> None:
 _DECODE_WARPS = 16
 _DECODE_UNROLL = 4
 
-# One block per (row, query head); its warps take the keys from the row's
+# One block per (row, query head) `bh`; QP points at its query. Its warps take the keys from the row's
 # first real position (left_padding[b]) to the last, UNROLL at a time (their
 # loads in flight together: one key after another would wait on memory
 # latency), each warp with an online softmax (running max m, sum l, weighted
@@ -142,7 +142,7 @@ _ATTEND_BODY = """
   float qr[PER], acc[PER];
   #pragma unroll
   for (int i = 0; i < PER; i++) {
-    qr[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * sc;
+    qr[i] = static_cast<float>(QP[lane * PER + i]) * sc;
     acc[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
@@ -204,6 +204,7 @@ _ATTEND_BODY = """
 _DECODE_SOURCE = """
   const int bh = blockIdx.x;
   const int b = bh / HQ, hk = (bh % HQ) / (HQ / HKV);
+  #define QP (q + (size_t)bh * D)
   const int start = left_padding[b], stop = meta[0], cap = meta[1];
   const size_t row = (size_t)b * HKV + hk;
   #define KEY(j) (k + (row * cap + (j)) * D)
@@ -215,23 +216,41 @@ _DECODE_SOURCE = """
 # window rk, rv; the step's own token (kn, vn) at `base + used`, written into
 # the window's slot `used` on the way (rk_out, rv_out: by the first query head
 # of each key head), so that the step writes no big buffer.
-_STEP_SOURCE = """
-  const int bh = blockIdx.x;
-  const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
+_STEP_PART = """
   const int base = meta[0], used = meta[1], cap = meta[2], W = meta[3];
   const int start = left_padding[b], stop = base + used + 1;
   const size_t row = (size_t)b * HKV + hk;
-  #define KEY(j) ((j) < base ? k + (row * cap + (j)) * D : (j) < base + used ? rk + (row * W + (j) - base) * D : kn + row * D)
-  #define VAL(j) ((j) < base ? v + (row * cap + (j)) * D : (j) < base + used ? rv + (row * W + (j) - base) * D : vn + row * D)
+  #define KEY(j) ((j) < base ? k + (row * cap + (j)) * D : (j) < base + used ? rk + (row * W + (j) - base) * D : KN)
+  #define VAL(j) ((j) < base ? v + (row * cap + (j)) * D : (j) < base + used ? rv + (row * W + (j) - base) * D : VN)
   if (h % (HQ / HKV) == 0) {
     for (int i = threadIdx.x; i < W * D; i += blockDim.x) {
       const int slot = i / D;
       const size_t at = row * W * D + i;
-      rk_out[at] = slot == used ? kn[row * D + i % D] : rk[at];
-      rv_out[at] = slot == used ? vn[row * D + i % D] : rv[at];
+      rk_out[at] = slot == used ? KN[i % D] : rk[at];
+      rv_out[at] = slot == used ? VN[i % D] : rv[at];
     }
   }
 """ + _ATTEND_BODY
+
+_STEP_SOURCE = """
+  const int bh = blockIdx.x;
+  const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
+  #define QP (q + (size_t)bh * D)
+  #define KN (kn + ((size_t)b * HKV + hk) * D)
+  #define VN (vn + ((size_t)b * HKV + hk) * D)
+""" + _STEP_PART
+
+# `step_forward`'s step: q and the new k read from the fused projection after
+# RoPE (`q`: (B, HT, D), HT = HQ + 2 HKV heads: q | k | v, all rotated), the
+# new v from the projection before it (`heads`), so that nothing is sliced
+# (and copied) out of either first.
+_FUSED_STEP_SOURCE = """
+  const int bh = blockIdx.x;
+  const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
+  #define QP (q + ((size_t)b * HT + h) * D)
+  #define KN (q + ((size_t)b * HT + HQ + hk) * D)
+  #define VN (heads + ((size_t)b * HT + HQ + HKV + hk) * D)
+""" + _STEP_PART
 
 
 def batch_decode_supported(queries, cache) -> bool:
@@ -255,7 +274,7 @@ def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_pad
     out = _launch("batch_decode_attention", _DECODE_SOURCE, queries, k.shape[1],
                   {"k": k, "v": v, "left_padding": left_padding.astype(mx.int32), "meta": bounds},
                   scale, {})  # fmt: skip
-    return out[0].astype(queries.dtype)
+    return out[0]
 
 
 def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> mx.array:
@@ -269,28 +288,54 @@ def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> m
               "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
     out, cache.rkeys, cache.rvalues = _launch("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1], inputs,
                                               scale, {"rk_out": rk, "rv_out": rv})  # fmt: skip
-    return out.astype(queries.dtype)
+    return out
+
+
+def fused_step_supported(heads: mx.array, cache: StepCache) -> bool:
+    """`fused_step_attention` takes this layer: the step's kernel hook on (CUDA),
+    one dtype and head size over the projection and the cache's buffers."""
+    return cache.kernel and kernel_takes(heads, cache.keys, cache.values, cache.rkeys, cache.rvalues)
+
+
+def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, scale: float) -> mx.array:
+    """`batch_step_attention` for `step_forward`: `heads` (B, Hq + 2 Hkv, 1, D)
+    is the fused q|k|v projection of the step's token, `roped` the same after
+    RoPE; q and the new k are read from `roped`, the new v from `heads`.
+    Returns (B, Hq, 1, D) in their dtype; the window is updated as there."""
+    rk, rv = cache.rkeys, cache.rvalues
+    kv_heads = rk.shape[1]
+    inputs = {"heads": heads, "k": cache.keys, "v": cache.values, "rk": rk, "rv": rv,
+              "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
+    out, cache.rkeys, cache.rvalues = _launch("fused_step_attention", _FUSED_STEP_SOURCE, roped, kv_heads, inputs,
+                                              scale, {"rk_out": rk, "rv_out": rv},
+                                              q_heads=roped.shape[1] - 2 * kv_heads)  # fmt: skip
+    return out
 
 
 _kernels: dict = {}
 
 
 def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
-            also: dict) -> list:  # fmt: skip
-    """Run kernel `name` over q + `inputs` + scale: out (float32, the queries'
-    shape), then each output named in `also`, shaped like its array there."""
+            also: dict, q_heads: int | None = None) -> list:  # fmt: skip
+    """Run kernel `name` over q + `inputs` + scale: out (B, q_heads, 1, D) in
+    the queries' dtype (the kernel rounds its float32 sums on the way out, which
+    saves each layer of a step a cast of its own), then each output named in
+    `also`, shaped like its array there. `q_heads`: the query heads, where
+    `queries` holds more heads than that (HT: all of them)."""
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
             name=name, input_names=["q", *inputs, "scale"], output_names=["out", *also], source=source,
         )  # fmt: skip
-    B, n_heads, _, d = queries.shape
+    B, all_heads, _, d = queries.shape
+    n_heads = q_heads or all_heads
     scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
     threads = 32 * _DECODE_WARPS
     return _kernels[name](
         inputs=[queries, *inputs.values(), scale_arr],
-        template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("WARPS", _DECODE_WARPS), ("UNROLL", _DECODE_UNROLL)],
+        template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", _DECODE_WARPS),
+                  ("UNROLL", _DECODE_UNROLL)],  # fmt: skip
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[queries.shape] + [a.shape for a in also.values()],
-        output_dtypes=[mx.float32] + [a.dtype for a in also.values()],
+        output_shapes=[(B, n_heads, 1, d)] + [a.shape for a in also.values()],
+        output_dtypes=[queries.dtype] + [a.dtype for a in also.values()],
     )

@@ -156,7 +156,7 @@ class BatchScheduler:
         # unused: the step derives each row's from `_idx` and its padding).
         self.compiled = engine.config.compiled_batch_step
         kernel = engine.short_attention and cuda_available()
-        self.stepper = CompiledSteps(self.model, kernel, engine.batch_steps)
+        self.stepper = CompiledSteps(self.model, kernel, engine.batch_steps, engine.config.batch_step_forward)
 
     @staticmethod
     def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256) -> int:

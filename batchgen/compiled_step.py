@@ -76,7 +76,7 @@ class StepCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] != 1:
             raise ValueError(f"StepCache takes one token per row, got {keys.shape[2]}")
-        if self.kernel and _kernel_takes(keys, values, self.keys, self.values, self.rkeys, self.rvalues):
+        if self.kernel and kernel_takes(keys, values, self.keys, self.values, self.rkeys, self.rvalues):
             self.new = (keys, values)  # the kernel attends to them and writes the window
             return self.keys, self.values
         slot = self.meta[1:2]
@@ -114,23 +114,30 @@ def kernel_head_size(*arrays) -> bool:
     return all(a.shape[-1] == d for a in arrays) and d % 32 == 0 and d <= 256
 
 
-def _kernel_takes(*arrays) -> bool:
+def kernel_takes(*arrays) -> bool:
     """The step kernel's needs: one dtype (it picks each position's pointer
     from three buffers) and `kernel_head_size`."""
     return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
 
 
-def make_step(model, sample_rows: bool, kernel: bool) -> Callable:
+def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True) -> Callable:
     """The compiled step: (inputs (B,), keys, values, rkeys, rvalues [one per
     layer], meta, left_padding) -> (greedy tokens (B,), logits (B, vocab) or
     None, new rkeys, new rvalues). `sample_rows`: also return the logits (some
     rows sample); greedy-only batches read back B tokens and nothing more.
-    `kernel`: attention through `attention.batch_step_attention` (CUDA, the
-    hook installed)."""
+    `kernel`: attention through `attention`'s step kernels (CUDA, the hook
+    installed). `own_forward`: through `step_forward` where it covers the model
+    (a third of the primitives), else the model's own layers."""
+    from .step_forward import make_step_forward
+
+    forward = make_step_forward(model) if own_forward else None
 
     def step(inputs, keys, values, rkeys, rvalues, meta, left_padding):
         cache = [StepCache(*layer, meta, left_padding, kernel) for layer in zip(keys, values, rkeys, rvalues)]
-        logits = model(inputs[:, None], cache=cache)[:, -1, :]
+        if forward is not None:
+            logits = forward(inputs, cache, kernel)
+        else:
+            logits = model(inputs[:, None], cache=cache)[:, -1, :]
         tokens = mx.argmax(logits, axis=-1)
         out_k, out_v = [c.rkeys for c in cache], [c.rvalues for c in cache]
         return (tokens, logits, out_k, out_v) if sample_rows else (tokens, out_k, out_v)
@@ -166,10 +173,11 @@ class CompiledSteps:
     """Steps a batch held in mlx-lm `BatchKVCache` layers (big buffers, write
     position `_idx`, `left_padding`) through the compiled step, keeping the
     recent window between steps. `recorded`: where the compiled steps are kept
-    (a dict that outlives this object: recording costs)."""
+    (a dict that outlives this object: recording costs). `own_forward`: see
+    `make_step`."""
 
-    def __init__(self, model, kernel: bool, recorded: dict):
-        self.model, self.kernel, self.recorded = model, kernel, recorded
+    def __init__(self, model, kernel: bool, recorded: dict, own_forward: bool = True):
+        self.model, self.kernel, self.recorded, self.own_forward = model, kernel, recorded, own_forward
         self.keys: list | None = None  # the window, one (B, heads, WINDOW, D) per layer
         self.values: list | None = None
         self.used = 0  # positions the window holds
@@ -184,9 +192,10 @@ class CompiledSteps:
             self.flush(cache)
         fit_capacity(cache, self.min_capacity)
         self._ready(cache)
-        key = (sample, self.kernel)
+        key = (sample, self.kernel, self.own_forward)
         if key not in self.recorded:
-            self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel)
+            self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel,
+                                           own_forward=self.own_forward)  # fmt: skip
         c0 = cache[0]
         meta = mx.array([c0._idx, self.used, c0.keys.shape[2], WINDOW], mx.int32)
         keys, values = [c.keys for c in cache], [c.values for c in cache]

@@ -88,6 +88,9 @@ class EngineConfig:
     # Batched decode steps as one compiled function over fixed-shape buffers
     # (`compiled_step`); False: the model called step by step on a growing cache.
     compiled_batch_step: bool = True
+    # The compiled step through `step_forward` (few primitives) where it covers the
+    # model; False: through the model's own layers.
+    batch_step_forward: bool = True
 
 
 @dataclass(frozen=True)

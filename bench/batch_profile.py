@@ -1,5 +1,5 @@
 """Where a batched run's time goes, function by function (cProfile), and each
-prompt pass's shape and seconds, on a model of a real shape.
+prompt pass's shape, seconds and peak memory, on a model of a real shape.
 
     python bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 --jobs 256 --out r.json
 
@@ -26,26 +26,43 @@ from batchgen.config import DEMO_MODEL_DIR, EngineConfig
 from batchgen.engine import Engine
 
 
+_peak = [0]  # the run's peak memory, bytes, across the resets below
+
+
+def _pass_peak() -> float:
+    """GB of memory at the peak since the last call (which is reset)."""
+    peak = mx.get_peak_memory()
+    _peak[0] = max(_peak[0], peak)
+    mx.reset_peak_memory()
+    return round(peak / 1e9, 3)
+
+
 def _timed_passes(log: list) -> None:
-    """Record (rows, length, cached, seconds) of every prompt pass (shared or single)."""
+    """Record (rows, length, cached, seconds, peak memory) of every prompt pass
+    (shared or single); `peak_before_gb`: the peak since the previous pass
+    (decode steps, placing rows)."""
     real = entering.prefill_rows
     single = Engine._prefill
 
     def timed_single(self, cache, tokens, logits=False):
+        before = _pass_peak()
         start = time.perf_counter()
         out = single(self, cache, tokens, logits)
         if out is not None:
             mx.eval(out)
         log.append({"rows": 1, "length": len(tokens), "cached": cache[0].offset - len(tokens),
-                    "s": round(time.perf_counter() - start, 4)})  # fmt: skip
+                    "s": round(time.perf_counter() - start, 4), "peak_before_gb": before,
+                    "peak_gb": _pass_peak()})  # fmt: skip
         return out
 
     def timed(model, cache, tails, length, rows):
+        before = _pass_peak()
         start = time.perf_counter()
         out = real(model, cache, tails, length, rows)
         cached = cache[0].offset - length if cache[0].keys is not None else 0
         log.append({"rows": rows, "tails": len(tails), "length": length, "cached": cached,
-                    "s": round(time.perf_counter() - start, 4)})  # fmt: skip
+                    "s": round(time.perf_counter() - start, 4), "peak_before_gb": before,
+                    "peak_gb": _pass_peak()})  # fmt: skip
         return out
 
     entering.prefill_rows = timed
@@ -75,6 +92,7 @@ def main() -> None:
     passes: list = []
     _timed_passes(passes)
     profile = cProfile.Profile()
+    mx.reset_peak_memory()
     start = time.perf_counter()
     profile.enable()
     results = list(engine.run_all(jobs, total=len(jobs)))
@@ -87,7 +105,8 @@ def main() -> None:
     print(text.getvalue())
     summary = {"shape": a.shape, "batch": a.batch, "jobs": len(jobs), "wall_s": round(wall, 3),
                "tokens_per_s": round(tokens / wall, 1), "report": engine.batch_report,
-               "compiled": not a.uncompiled, "passes": passes}  # fmt: skip
+               "compiled": not a.uncompiled, "peak_memory_gb": round(max(_peak[0], mx.get_peak_memory()) / 1e9, 3),
+               "active_memory_gb": round(mx.get_active_memory() / 1e9, 3), "passes": passes}  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
     if a.out:
         a.out.write_text(json.dumps(summary, indent=1))

@@ -63,11 +63,12 @@ def _steps(model, cache, rows: int, n: int) -> float:
     return _timed(lambda y: mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1).astype(mx.uint32), rows, n)
 
 
-def _compiled_steps(model, cache, rows: int, n: int, capacity: int = 0) -> float:
+def _compiled_steps(model, cache, rows: int, n: int, capacity: int = 0, own_forward: bool = True) -> float:
     """ms per step through the compiled step as the scheduler runs it (big
     buffers, the recent window flushed when full), the big buffers of at
-    least `capacity` positions."""
-    stepper = CompiledSteps(model, cuda_available(), {})
+    least `capacity` positions; `own_forward`: through `step_forward` where
+    it covers the model (the scheduler's default), else the model's layers."""
+    stepper = CompiledSteps(model, cuda_available(), {}, own_forward)
     stepper.min_capacity = capacity
     cache = [copy.copy(c) for c in cache]  # the caller's cache keeps its write position
     return _timed(lambda y: stepper(cache, y, sample=False)[0].astype(mx.uint32), rows, n)

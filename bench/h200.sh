@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops)
+#    stepops bprof8)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -157,6 +157,13 @@ stage_batchstep() {  # issue 8: a batched decode step's cost by rows, cache kind
     --out "$R/batch_step_7b.json"
 }
 
+stage_bprof8() {  # issue 8: where a 0.5B-shape run's time and memory go at 8 and 32 rows (compiled step)
+  for rows in 8 32; do
+    step "bprof_b$rows" 120 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
+      --batch "$rows" --jobs-total 256 --max-tokens 128 --out "$R/batch_profile_b$rows.json"
+  done
+}
+
 stage_batchprofile() {  # issue 8: where a 0.5B-shape batched run's time goes, compiled step and not
   for mode in compiled uncompiled; do
     local flag=""
@@ -173,13 +180,18 @@ stage_copyprobe() {  # issue 8: do steps copy whole KV buffers (time growing wit
     --context 512 --fused-only --out "$R/opsknob_0.5b.json"
 }
 
-stage_stepops() {  # issue 8: a batch step's primitives by kind, the step with RoPE / norms / MLP taken out;
-  # then the step under other MLX_MAX_OPS_PER_BUFFER values (nodes per CUDA graph, default 20)
-  step stepops_0.5b 120 python3 bench/step_ops_probe.py --shape qwen2.5-0.5b --rows 8 --out "$R/step_ops_0.5b.json"
-  step stepops_7b 150 python3 bench/step_ops_probe.py --shape qwen2.5-7b --rows 8 --out "$R/step_ops_7b.json"
-  for n in ${STEPOPS_OPS:-10 40 100}; do
+stage_stepops() {  # issue 8: a batch step's primitives by kind and ms, through the model's layers and through
+  # step_forward, 8 and 32 rows (STEPOPS_KINDS=rope,norm,mlp,all: the former with each taken out); then the
+  # step under other MLX_MAX_OPS_PER_BUFFER values (STEPOPS_OPS="10 40 100": nodes per CUDA graph, default 20)
+  for shape in qwen2.5-0.5b qwen2.5-7b; do
+    for rows in 8 32; do
+      step "stepops_${shape}_b$rows" 120 python3 bench/step_ops_probe.py --shape "$shape" --rows "$rows" \
+        --kinds "${STEPOPS_KINDS:-}" --out "$R/step_ops_${shape}_b$rows.json"
+    done
+  done
+  for n in ${STEPOPS_OPS:-}; do
     MLX_MAX_OPS_PER_BUFFER=$n step "stepops_ops$n" 90 python3 bench/step_ops_probe.py --shape qwen2.5-0.5b --rows 8 \
-      --kinds "" --out "$R/step_ops_0.5b_ops$n.json"
+      --out "$R/step_ops_0.5b_ops$n.json"
   done
 }
 
@@ -208,13 +220,16 @@ stage_tqprobe() {  # issue 7: where a step-mode step's time goes (launches, phas
   step tqprobe 240 python3 bench/turboquant_step_probe.py ${TQ_PROBE_SHAPES:-0.5b,7b} ${TQ_PROBE_CONTEXTS:-1024,32768}
 }
 
-stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache (TQ_RUNS: shape:context ...)
+stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cache (TQ_RUNS: shape:context ...;
+  # TQ_DRAFT=pld: both sides with prompt lookup, files tq_pld_*)
   local runs=${TQ_RUNS:-"qwen2.5-0.5b:1024 qwen2.5-0.5b:8192 qwen2.5-0.5b:32768 qwen2.5-7b:1024 qwen2.5-7b:8192 qwen2.5-7b:32768"}
   for run in $runs; do
     local s=${run%%:*} n=${run##*:}
-    step "tq_${s}_${n}" 150 $BG --shape "$s" --model "$DEMO" --synthetic "$n" --synthetic-jobs 2 \
-      --max-tokens "${TQ_TOKENS:-64}" --draft none --no-prompt-cache --no-fuse --kv-cache turboquant --kv-bits 4 \
-      --out "$R/tq_${s}_${n}.json"
+    local draft=${TQ_DRAFT:-none} tag=tq
+    [[ $draft == none ]] || tag="tq_$draft"
+    step "${tag}_${s}_${n}" 150 $BG --shape "$s" --model "$DEMO" --synthetic "$n" --synthetic-jobs 2 \
+      --max-tokens "${TQ_TOKENS:-64}" --draft "$draft" --no-prompt-cache --no-fuse --kv-cache turboquant --kv-bits 4 \
+      --out "$R/${tag}_${s}_${n}.json"
   done
 }
 

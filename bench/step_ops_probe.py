@@ -4,9 +4,11 @@
 
 A compiled batch step of a small model is host-bound: its time follows the
 number of primitives MLX evaluates, not their work. This counts the primitives
-of one compiled step (by kind, from `mx.export_to_dot`) and times the step with
-one kind of layer taken out (timing only, the outputs are wrong): RoPE, the
-RMS norms, the MLP. What a layer kind costs a step is what taking it out saves.
+of one compiled step (by kind, from `mx.export_to_dot`) through the model's own
+layers and through `batchgen.step_forward`, times both, and times the former
+with one kind of layer taken out (timing only, the outputs are wrong): RoPE,
+the RMS norms, the MLP (`--kinds`). What a layer kind costs a step is what
+taking it out saves.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ class _Skip(nn.Module):
         return x
 
 
-def primitives(model, rows: int, context: int) -> dict:
-    """Primitives of one compiled step, by kind."""
+def primitives(model, rows: int, context: int, own_forward: bool) -> dict:
+    """Primitives of one compiled step (the second: the first's window is new), by kind."""
     cache = _filled(model, rows, context, True, True)
-    stepper = CompiledSteps(model, cuda_available(), {})
+    stepper = CompiledSteps(model, cuda_available(), {}, own_forward)
+    mx.eval(stepper(cache, mx.zeros((rows,), mx.uint32), sample=False)[0], stepper.keys, stepper.values)
     tokens, _ = stepper(cache, mx.zeros((rows,), mx.uint32), sample=False)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "step.dot"
@@ -70,32 +73,34 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--kinds", default="rope,norm,mlp,all")
+    ap.add_argument("--kinds", default="", help="e.g. rope,norm,mlp,all")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     model, _ = random_model(a.shape, "bfloat16", None, 0)
     fuse_model(model)
     install_short_attention(model)
     result = {"shape": a.shape, "rows": a.rows, "layers": len(model.layers), "device": str(mx.default_device())}
-    counts = primitives(model, a.rows, a.context)
-    result["primitives"] = sum(counts.values())
-    result["by_kind"] = counts
-    print(json.dumps({k: result[k] for k in ("shape", "rows", "layers", "primitives")}), json.dumps(counts), flush=True)
     cache = _filled(model, a.rows, a.context, True, True)
-    result["stock_ms"] = round(_compiled_steps(model, cache, a.rows, a.steps), 3)
+    for own, name in ((False, "model_layers"), (True, "step_forward")):
+        counts = primitives(model, a.rows, a.context, own)
+        result[f"{name}_primitives"] = sum(counts.values())
+        result[f"{name}_by_kind"] = counts
+        result[f"{name}_ms"] = round(_compiled_steps(model, cache, a.rows, a.steps, own_forward=own), 3)
+        print(name, result[f"{name}_primitives"], result[f"{name}_ms"], json.dumps(counts), flush=True)
     saved = {}
     for kind in filter(None, a.kinds.split(",")):
         parts = [(layer.self_attn.rope, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp)
                  for layer in model.layers]  # fmt: skip
         _take_out(model, kind)
-        result[f"without_{kind}_ms"] = round(_compiled_steps(model, cache, a.rows, a.steps), 3)
-        result[f"without_{kind}_primitives"] = sum(primitives(model, a.rows, a.context).values())
+        result[f"without_{kind}_ms"] = round(_compiled_steps(model, cache, a.rows, a.steps, own_forward=False), 3)
+        result[f"without_{kind}_primitives"] = sum(primitives(model, a.rows, a.context, False).values())
         for layer, (rope, n1, n2, mlp) in zip(model.layers, parts):
             layer.self_attn.rope, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp = rope, n1, n2, mlp
-        saved[kind] = round(result["stock_ms"] - result[f"without_{kind}_ms"], 3)
-    result["stock_again_ms"] = round(_compiled_steps(model, cache, a.rows, a.steps), 3)
+        saved[kind] = round(result["model_layers_ms"] - result[f"without_{kind}_ms"], 3)
+    result["model_layers_again_ms"] = round(_compiled_steps(model, cache, a.rows, a.steps, own_forward=False), 3)
+    result["step_forward_again_ms"] = round(_compiled_steps(model, cache, a.rows, a.steps), 3)
     result["saved_ms"] = saved
-    print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}), flush=True)
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith("by_kind")}), flush=True)
     if a.out:
         a.out.write_text(json.dumps(result, indent=1))
 

@@ -86,14 +86,21 @@ def test_hook_routes_marked_batch_caches_only():
     assert np.abs(np.array(stock) - np.array(fused)).max() < 1e-4
 
 
-def compiled_steps_against_uncompiled(kernel: bool, steps: int = 40) -> float:
+def compiled_steps_against_uncompiled(kernel: bool, steps: int = 40, fused: bool = False) -> float:
     """Largest logit difference between the compiled step (big buffers plus
     the recent window, flushed when full) and mlx-lm's BatchKVCache stepped
-    uncompiled, float32, over `steps` steps."""
+    uncompiled, float32, over `steps` steps. `fused`: the weights fused, so
+    that the step runs through `step_forward` (and, with `kernel`, the fused
+    step kernel); else through the model's own layers."""
     from batchgen.bench import random_model
     from batchgen.compiled_step import CompiledSteps
+    from batchgen.fusion import fuse_model
+    from batchgen.step_forward import make_step_forward
 
     model, _ = random_model("qwen2.5-0.5b", "float32", None, 0)
+    if fused:
+        fuse_model(model)
+    assert (make_step_forward(model) is not None) == fused
     attention.install_short_attention(model)
     try:
         pads = [0, 9, 3, 30]
@@ -121,3 +128,9 @@ def test_compiled_step_through_the_kernel_matches_the_uncompiled_step():
     """The step kernel (big buffers, window and new token; the window written
     on the way) gives mlx-lm's uncompiled step's logits, across a flush."""
     assert compiled_steps_against_uncompiled(kernel=True) < 1e-3
+
+
+def test_fused_step_kernel_matches_the_uncompiled_step():
+    """`step_forward` with the fused step kernel (q and the new k read from the
+    rotated projection, v from the projection) gives the uncompiled step's logits."""
+    assert compiled_steps_against_uncompiled(kernel=True, fused=True) < 1e-3

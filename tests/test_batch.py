@@ -152,8 +152,8 @@ def test_a_step_that_cannot_be_recorded_falls_back_to_uncompiled(model_dir, monk
     sched = BatchScheduler(engine(path, 3), 3, kv_budget_bytes=1 << 40)
     real, held = cs.make_step, []
 
-    def flaky(model, sample_rows, kernel):
-        step = real(model, sample_rows, kernel)
+    def flaky(model, sample_rows, kernel, own_forward=True):
+        step = real(model, sample_rows, kernel, own_forward)
 
         def run(*args):
             if sched.stepper.used >= 4:

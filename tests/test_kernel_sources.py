@@ -75,3 +75,20 @@ def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
         inputs, outputs, body = K.STEP_KERNELS[name]
         compiles(tmp_path, wrapped(name, K._STEP_HEADER, body, [(n, types[n]) for n in inputs],
                                    [(n, types[n]) for n in outputs], template))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+def test_batch_attention_kernels_compile(tmp_path, dtype):
+    from batchgen import attention as A
+
+    template = [("D", 64), ("HQ", 14), ("HKV", 2), ("HT", 18), ("WARPS", A._DECODE_WARPS),
+                ("UNROLL", A._DECODE_UNROLL)]  # fmt: skip
+    fixed = [("left_padding", "i32"), ("meta", "i32"), ("scale", "f32")]
+    step = [(n, dtype) for n in ("q", "k", "v", "rk", "rv", "kn", "vn")] + fixed
+    fused = [(n, dtype) for n in ("q", "heads", "k", "v", "rk", "rv")] + fixed
+    decode = [(n, dtype) for n in ("q", "k", "v")] + fixed
+    # `out` in the queries' dtype: the kernels round their float32 sums on the way out
+    step_out = [(n, dtype) for n in ("out", "rk_out", "rv_out")]
+    compiles(tmp_path, wrapped("s", "", A._STEP_SOURCE, step, step_out, template))
+    compiles(tmp_path, wrapped("f", "", A._FUSED_STEP_SOURCE, fused, step_out, template))
+    compiles(tmp_path, wrapped("d", "", A._DECODE_SOURCE, decode, [("out", dtype)], template))

@@ -1,0 +1,161 @@
+"""A batch's one-token step through a llama-family model in few primitives.
+
+A compiled batch step of a small model costs what its primitive count costs:
+MLX's CUDA backend spends ~3 us of host time on each primitive it evaluates,
+kernel or view, and the GPU finishes first (0.5B shape, 8 rows, H200: ~930
+primitives, 3.0 of a 3.7 ms step in dispatch; bench/results/2026-11-30-h200-s).
+mlx-lm's layers are written for any sequence length: 3-D activations (every
+matmul flattens and unflattens them), weights transposed at every call, q / k /
+v reshaped and transposed one by one, about 38 primitives a layer. For one
+token per row none of that is needed:
+
+- activations are (rows, hidden);
+- projections read weights transposed once, when the step is made (an
+  evaluated `.T` view: no copy, no primitive per call);
+- RoPE runs once over the fused q|k|v output viewed as (rows, heads, 1, D):
+  v's rotation is computed and never read, which costs less than slicing q and
+  k out (a strided slice is copied before a kernel reads it);
+- attention (CUDA) reads q and the new k from that, the new v from the
+  unrotated projection (`attention.fused_step_attention`).
+
+14 primitives a layer, 11 of them kernels. The ops are the model's own, in its
+order, on the same weights: on the CPU the logits equal the model's (float32,
+tested). Models this does not cover (other layer structures, quantized or
+unfused projections, q/k norms, sliding windows, other RoPE kinds) get None
+from `make_step_forward` and step through the model itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+log = logging.getLogger("batchgen")
+
+SUPPORTED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    norm1: mx.array
+    eps1: float
+    qkv_t: mx.array  # (hidden, (Hq + 2 Hkv) D): q | k | v, transposed
+    qkv_bias: mx.array | None
+    o_t: mx.array
+    o_bias: mx.array | None
+    norm2: mx.array
+    eps2: float
+    gate_up_t: mx.array  # (hidden, 2 I): gate | up
+    gate_up_bias: mx.array | None
+    down_t: mx.array
+    down_bias: mx.array | None
+
+
+def _proj(x: mx.array, w_t: mx.array, bias: mx.array | None) -> mx.array:
+    """nn.Linear's own ops, on a weight transposed beforehand."""
+    return x @ w_t if bias is None else mx.addmm(bias, x, w_t)
+
+
+def _transposed(linear: nn.Linear) -> tuple[mx.array, mx.array | None]:
+    w_t = linear["weight"].T
+    mx.eval(w_t)  # a view of the weight's buffer, evaluated: the step's graph holds no transpose
+    return w_t, linear.get("bias")
+
+
+def _unsupported(model) -> str | None:
+    """Why `make_step_forward` cannot take `model` (None: it can)."""
+    if type(model).__module__ not in SUPPORTED_MODULES:
+        return f"model type {type(model).__module__}"
+    inner = model.model
+    if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
+        return "sliding-window layers"
+    if type(inner.embed_tokens) is not nn.Embedding or any(type(m) is not nn.Linear for m in _linears(model)):
+        return "projections not fused, or quantized"
+    first = inner.layers[0].self_attn
+    if hasattr(first, "q_norm") or type(first.rope) is not nn.RoPE:
+        return "q/k norms or a RoPE variant"
+    dims = first.rope.dims
+    head_dim = _head_dim(first)
+    if dims != head_dim or any(type(n) is not nn.RMSNorm for layer in inner.layers
+                               for n in (layer.input_layernorm, layer.post_attention_layernorm)):  # fmt: skip
+        return "partial RoPE or another norm"
+    return None
+
+
+def _linears(model) -> list:
+    inner, out = model.model, []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [getattr(attn, "qkv_proj", None), attn.o_proj, getattr(mlp, "gate_up_proj", None), mlp.down_proj]
+    if not model.args.tie_word_embeddings:
+        out.append(model.lm_head)
+    return out
+
+
+def _head_dim(attn) -> int:
+    return attn.o_proj["weight"].shape[1] // attn.n_heads
+
+
+class StepForward:
+    """forward(inputs (B,), caches) -> logits (B, vocab): the model's one-token
+    pass over `compiled_step.StepCache` layers. `kernel`: attention through
+    `attention.fused_step_attention` (CUDA)."""
+
+    def __init__(self, model):
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, _head_dim(attn)
+        self.scale, self.rope = attn.scale, attn.rope
+        self.embed = inner.embed_tokens
+        self.norm, self.eps = inner.norm["weight"], inner.norm.eps
+        self.head_t = _transposed(model.lm_head)[0] if not model.args.tie_word_embeddings else None
+        if self.head_t is None:
+            self.head_t = inner.embed_tokens["weight"].T
+            mx.eval(self.head_t)
+        self.layers = [self._layer(layer) for layer in inner.layers]
+
+    @staticmethod
+    def _layer(layer) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        return _Layer(n1["weight"], n1.eps, *_transposed(attn.qkv_proj), *_transposed(attn.o_proj), n2["weight"],
+                      n2.eps, *_transposed(mlp.gate_up_proj), *_transposed(mlp.down_proj))  # fmt: skip
+
+    def __call__(self, inputs: mx.array, caches: list, kernel: bool) -> mx.array:
+        from .attention import fused_step_attention, fused_step_supported
+
+        B = inputs.shape[0]
+        hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        offset = caches[0].offset
+        mask = None if kernel else caches[0].make_mask(1)  # every layer's rows, as mlx-lm's models share it
+        h = self.embed(inputs)
+        for w, cache in zip(self.layers, caches):
+            x = mx.fast.rms_norm(h, w.norm1, w.eps1)
+            heads = _proj(x, w.qkv_t, w.qkv_bias).reshape(B, hq + 2 * hkv, 1, d)
+            roped = self.rope(heads, offset=offset)
+            if kernel and fused_step_supported(heads, cache):
+                out = fused_step_attention(roped, heads, cache, self.scale)
+            else:
+                keys, values = cache.update_and_fetch(roped[:, hq : hq + hkv], heads[:, hq + hkv :])
+                out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale,
+                                                           mask=cache.make_mask(1) if mask is None else mask)  # fmt: skip
+            h = h + _proj(out.reshape(B, hq * d), w.o_t, w.o_bias)
+            x = mx.fast.rms_norm(h, w.norm2, w.eps2)
+            gate, up = mx.split(_proj(x, w.gate_up_t, w.gate_up_bias), 2, axis=-1)
+            h = h + _proj(swiglu(gate, up), w.down_t, w.down_bias)
+        return mx.fast.rms_norm(h, self.norm, self.eps) @ self.head_t
+
+
+def make_step_forward(model) -> Callable | None:
+    """A `StepForward` over `model`'s weights, or None where it does not cover
+    the model (the reason is logged)."""
+    reason = _unsupported(model)
+    if reason is not None:
+        log.debug("batch step through the model itself: %s", reason)
+        return None
+    return StepForward(model)

@@ -1,0 +1,88 @@
+"""`step_forward`: the batch step through llama-family models in few primitives."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import re
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from batchgen.attention import install_short_attention, mark_cache
+from batchgen.compiled_step import CompiledSteps
+from batchgen.fusion import fuse_model
+from batchgen.step_forward import make_step_forward
+from mlx_lm.models.cache import BatchKVCache
+
+
+def _model(model_dir, arch, fuse=True, **kw):
+    model, _ = load(str(model_dir(arch, **kw)))
+    if fuse:
+        fuse_model(model)
+    install_short_attention(model)
+    return model
+
+
+def _filled(model, pads: list[int], length: int = 24) -> list:
+    cache = mark_cache([BatchKVCache(pads) for _ in model.layers])
+    model(mx.random.randint(0, 300, (len(pads), length), key=mx.random.key(1)), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _steps(model, cache, own_forward: bool, steps: int = 40) -> list:
+    """Each step's logits through the compiled step (a window flush on the way)."""
+    stepper = CompiledSteps(model, False, {}, own_forward)
+    cache = [copy.copy(c) for c in cache]
+    y, out = mx.array([5, 6, 7], mx.uint32), []
+    for _ in range(steps):
+        tokens, logits = stepper(cache, y, sample=True)
+        out.append(logits)
+        y = tokens.astype(mx.uint32)
+    return out
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("qwen2", {}),  # q/k/v biases, untied head
+    ("llama", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+])  # fmt: skip
+def test_logits_equal_the_models_own_step(model_dir, arch, kw):
+    """float32 on the CPU: the same ops in the same order on the same weights,
+    so the same logits, bit for bit, over 40 steps and a window flush."""
+    model = _model(model_dir, arch, **kw)
+    assert make_step_forward(model) is not None
+    cache = _filled(model, [0, 7, 3])
+    theirs, ours = _steps(model, cache, own_forward=False), _steps(model, cache, own_forward=True)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(theirs, ours))
+
+
+@pytest.mark.parametrize("arch,kw,fuse", [
+    ("qwen3", {}, True),  # q/k norms
+    ("qwen3_moe", {}, True),
+    ("qwen2", {}, False),  # unfused projections
+    ("qwen2", {"quantize_bits": 4}, True),
+])  # fmt: skip
+def test_models_it_does_not_cover_step_through_their_own_layers(model_dir, arch, kw, fuse):
+    assert make_step_forward(_model(model_dir, arch, fuse=fuse, **kw)) is None
+
+
+def test_a_step_evaluates_fewer_primitives(model_dir, tmp_path):
+    """What the step saves is primitives (each costs host time on CUDA),
+    counted in the graph of one compiled step: on the CPU RoPE, norms and
+    attention are many ops each, so the count is of the reshaping around them."""
+    model = _model(model_dir, "qwen2")
+    counts = {}
+    for own in (False, True):
+        cache = _filled(model, [0, 2])
+        stepper = CompiledSteps(model, False, {}, own)
+        mx.eval(stepper(cache, mx.array([1, 2], mx.uint32), sample=False)[0], stepper.keys, stepper.values)
+        tokens, _ = stepper(cache, mx.array([3, 4], mx.uint32), sample=False)
+        path = tmp_path / f"step_{own}.dot"
+        mx.export_to_dot(str(path), tokens, *stepper.keys, *stepper.values)
+        counts[own] = collections.Counter(re.findall(r'label ="([^"]+)"', path.read_text()))
+    assert sum(counts[True].values()) < sum(counts[False].values())
+    shape_ops = [sum(counts[own][k] for k in ("Transpose", "Reshape", "Flatten", "Unflatten")) for own in (False, True)]
+    assert shape_ops[1] * 3 <= shape_ops[0], shape_ops  # weights transposed once, heads never, 2-D activations
