@@ -17,6 +17,8 @@ and, where prompt passes are padded (a GPU), come in few shapes.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
@@ -88,6 +90,41 @@ def padded_rows(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+# Shared passes of at least this many tokens (rows x length) are evaluated layer by
+# layer on a GPU: there a pass's temporaries are released only when the GPU has
+# finished with them, and a whole pass queued at once held many layers' worth
+# (0.5B shape, H200: 16 rows x 256 tokens peaked 2.2-4.6 GB above the resident set).
+LAYERWISE_TOKENS = 1024
+
+
+class _Evaluated:
+    """A layer whose output is evaluated before the next layer is queued."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        mx.eval(out)
+        return out
+
+
+@contextmanager
+def layer_by_layer(model: nn.Module, on: bool):
+    """Within this block, `model`'s decoder layers (`.model.layers`, where it
+    has them) evaluate their output one at a time (`on`)."""
+    layers = getattr(getattr(getattr(model, "language_model", model), "model", None), "layers", None)
+    if not on or not isinstance(layers, list):
+        yield
+        return
+    saved = list(layers)
+    layers[:] = [_Evaluated(layer) for layer in saved]
+    try:
+        yield
+    finally:
+        layers[:] = saved
+
+
 def prefill_rows(model: nn.Module, cache: list, tails: list[list[int]], length: int, rows: int) -> mx.array:
     """One pass over several prompts' tails into `cache` (plain KV caches of
     `rows` rows holding the same prefix: one row per tail, spare rows after).
@@ -97,7 +134,8 @@ def prefill_rows(model: nn.Module, cache: list, tails: list[list[int]], length: 
     row's next-token logits (rows, vocab)."""
     inputs = [t + [t[-1]] * (length - len(t)) for t in tails]
     inputs += [inputs[0]] * (rows - len(tails))
-    with mx.stream(generation_stream):
+    big = rows * length >= LAYERWISE_TOKENS and mx.default_device().type == mx.gpu
+    with mx.stream(generation_stream), layer_by_layer(model, big):
         logits = logits_at(model, mx.array(inputs), cache, [len(t) - 1 for t in tails] + [0] * (rows - len(tails)))
         mx.eval(logits, [c.state for c in cache])
     return logits

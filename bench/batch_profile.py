@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--uncompiled", action="store_true", help="step the model uncompiled")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--cold", action="store_true", help="empty the prompt pool after the warm-up (as --throughput runs)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     engine_cfg = EngineConfig(model=a.model, batch_size=a.batch, compiled_batch_step=not a.uncompiled)
@@ -89,6 +90,8 @@ def main() -> None:
         engine.prewarm(system, "bench")
     jobs = _repeat_jobs(base, a.jobs_total)
     list(engine.run_all(jobs[: a.batch], total=a.batch))  # warm-up
+    if a.cold and engine.pool is not None:
+        engine.pool.forget()
     passes: list = []
     _timed_passes(passes)
     profile = cProfile.Profile()

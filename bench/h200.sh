@@ -157,10 +157,11 @@ stage_batchstep() {  # issue 8: a batched decode step's cost by rows, cache kind
     --out "$R/batch_step_7b.json"
 }
 
-stage_bprof8() {  # issue 8: where a 0.5B-shape run's time and memory go at 8 and 32 rows (compiled step)
-  for rows in 8 32; do
+stage_bprof8() {  # issue 8: where a 0.5B-shape run's time and memory go at 8 and 32 rows (compiled step);
+  # BPROF_COLD=--cold: from an empty prompt pool, as --throughput runs
+  for rows in ${BPROF_ROWS:-8 32}; do
     step "bprof_b$rows" 120 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
-      --batch "$rows" --jobs-total 256 --max-tokens 128 --out "$R/batch_profile_b$rows.json"
+      --batch "$rows" --jobs-total 256 --max-tokens 128 ${BPROF_COLD:-} --out "$R/batch_profile_b$rows.json"
   done
 }
 

@@ -2,6 +2,7 @@
 per-job seeds sample the same tokens in a batch as alone, a failing job
 fails alone."""
 
+import mlx.core as mx
 import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
@@ -486,3 +487,32 @@ def test_step_cache_view():
     k, v = c.update_and_fetch(mx.ones((2, 1, 1, 2)), 2 * mx.ones((2, 1, 1, 2)))
     assert k.shape == (2, 1, 7, 2) and k[:, 0, :, 0].tolist() == [[0, 0, 0, 0, 0, 1, 0]] * 2
     assert c.rvalues[0, 0, 1].tolist() == [2, 2] and c.rvalues[0, 0, 0].tolist() == [0, 0]
+
+
+def test_a_pass_evaluated_layer_by_layer_is_the_same_pass(model_dir):
+    """`layer_by_layer` (big shared passes on a GPU) evaluates each layer's
+    output as it goes: same logits and caches, and the layers are put back,
+    also when the pass fails."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import KVCache
+
+    from batchgen.entering import layer_by_layer, prefill_rows
+
+    model, _ = load(str(model_dir("qwen2")))
+    layers = list(model.model.layers)
+    tails = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    runs = []
+    for on in (False, True):
+        cache = [KVCache() for _ in layers]
+        with layer_by_layer(model, on):
+            logits = prefill_rows(model, cache, tails, 4, 4)
+        runs.append((logits, [c.state for c in cache]))
+    (a, ca), (b, cb) = runs
+    assert mx.array_equal(a, b).item()
+    assert all(mx.array_equal(x, y).item() for sa, sb in zip(ca, cb) for x, y in zip(sa, sb))
+    assert all(x is y for x, y in zip(model.model.layers, layers))
+    with pytest.raises(ValueError):
+        with layer_by_layer(model, True):
+            assert type(model.model.layers[0]).__name__ == "_Evaluated"
+            raise ValueError("a failing pass")
+    assert all(x is y for x, y in zip(model.model.layers, layers))
