@@ -301,7 +301,8 @@ def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, sca
     """`batch_step_attention` for `step_forward`: `heads` (B, Hq + 2 Hkv, 1, D)
     is the fused q|k|v projection of the step's token, `roped` the same after
     RoPE; q and the new k are read from `roped`, the new v from `heads`.
-    Returns (B, Hq, 1, D) in their dtype; the window is updated as there."""
+    Returns (B, Hq, 1, D) in their dtype; the new k and v go into the window
+    (cache.rkeys / rvalues are replaced) as there."""
     rk, rv = cache.rkeys, cache.rvalues
     kv_heads = rk.shape[1]
     inputs = {"heads": heads, "k": cache.keys, "v": cache.values, "rk": rk, "rv": rv,

@@ -98,10 +98,14 @@ LAYERWISE_TOKENS = 1024
 
 
 class _Evaluated:
-    """A layer whose output is evaluated before the next layer is queued."""
+    """A layer whose output is evaluated before the next layer is queued; its
+    attributes are the layer's (models read them: llama's `use_sliding`)."""
 
     def __init__(self, layer):
         self.layer = layer
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
 
     def __call__(self, *args, **kwargs):
         out = self.layer(*args, **kwargs)

@@ -18,7 +18,8 @@ token per row none of that is needed:
 - attention (CUDA) reads q and the new k from that, the new v from the
   unrotated projection (`attention.fused_step_attention`).
 
-14 primitives a layer, 11 of them kernels. The ops are the model's own, in its
+15 primitives a layer, 11 of them kernels (0.5B shape: 373 a step against 858).
+The ops are the model's own, in its
 order, on the same weights: on the CPU the logits equal the model's (float32,
 tested). Models this does not cover (other layer structures, quantized or
 unfused projections, q/k norms, sliding windows, other RoPE kinds) get None
