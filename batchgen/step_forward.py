@@ -19,9 +19,8 @@ token per row none of that is needed:
   unrotated projection (`attention.fused_step_attention`).
 
 15 primitives a layer, 11 of them kernels (0.5B shape: 373 a step against 858).
-The ops are the model's own, in its
-order, on the same weights: on the CPU the logits equal the model's (float32,
-tested). Models this does not cover (other layer structures, quantized or
+The ops are the model's own, in its order, on the same weights: on the CPU the
+logits equal the model's (float32, tested). Models this does not cover (other layer structures, quantized or
 unfused projections, q/k norms, sliding windows, other RoPE kinds) get None
 from `make_step_forward` and step through the model itself.
 """
@@ -35,6 +34,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
+
+from .attention import fused_step_attention, fused_step_supported
 
 log = logging.getLogger("batchgen")
 
@@ -62,10 +63,11 @@ def _proj(x: mx.array, w_t: mx.array, bias: mx.array | None) -> mx.array:
     return x @ w_t if bias is None else mx.addmm(bias, x, w_t)
 
 
-def _transposed(linear: nn.Linear) -> tuple[mx.array, mx.array | None]:
-    w_t = linear["weight"].T
+def _transposed(module: nn.Module) -> tuple[mx.array, mx.array | None]:
+    """(weight.T, bias or None) of a linear layer (or a tied embedding)."""
+    w_t = module["weight"].T
     mx.eval(w_t)  # a view of the weight's buffer, evaluated: the step's graph holds no transpose
-    return w_t, linear.get("bias")
+    return w_t, module.get("bias")
 
 
 def _unsupported(model) -> str | None:
@@ -114,10 +116,7 @@ class StepForward:
         self.scale, self.rope = attn.scale, attn.rope
         self.embed = inner.embed_tokens
         self.norm, self.eps = inner.norm["weight"], inner.norm.eps
-        self.head_t = _transposed(model.lm_head)[0] if not model.args.tie_word_embeddings else None
-        if self.head_t is None:
-            self.head_t = inner.embed_tokens["weight"].T
-            mx.eval(self.head_t)
+        self.head_t = _transposed(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)[0]
         self.layers = [self._layer(layer) for layer in inner.layers]
 
     @staticmethod
@@ -128,12 +127,10 @@ class StepForward:
                       n2.eps, *_transposed(mlp.gate_up_proj), *_transposed(mlp.down_proj))  # fmt: skip
 
     def __call__(self, inputs: mx.array, caches: list, kernel: bool) -> mx.array:
-        from .attention import fused_step_attention, fused_step_supported
-
         B = inputs.shape[0]
         hq, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         offset = caches[0].offset
-        mask = None if kernel else caches[0].make_mask(1)  # every layer's rows, as mlx-lm's models share it
+        mask = None  # made once for every layer (as mlx-lm's models do), where a layer needs it
         h = self.embed(inputs)
         for w, cache in zip(self.layers, caches):
             x = mx.fast.rms_norm(h, w.norm1, w.eps1)
@@ -143,8 +140,8 @@ class StepForward:
                 out = fused_step_attention(roped, heads, cache, self.scale)
             else:
                 keys, values = cache.update_and_fetch(roped[:, hq : hq + hkv], heads[:, hq + hkv :])
-                out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale,
-                                                           mask=cache.make_mask(1) if mask is None else mask)  # fmt: skip
+                mask = caches[0].make_mask(1) if mask is None else mask
+                out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale, mask=mask)
             h = h + _proj(out.reshape(B, hq * d), w.o_t, w.o_bias)
             x = mx.fast.rms_norm(h, w.norm2, w.eps2)
             gate, up = mx.split(_proj(x, w.gate_up_t, w.gate_up_bias), 2, axis=-1)
