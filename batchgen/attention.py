@@ -301,7 +301,7 @@ def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, sca
     """`batch_step_attention` for `step_forward`: `heads` (B, Hq + 2 Hkv, 1, D)
     is the fused q|k|v projection of the step's token, `roped` the same after
     RoPE; q and the new k are read from `roped`, the new v from `heads`.
-    Returns (B, Hq, 1, D) in their dtype; the new k and v go into the window
+    Returns (B, Hq * D) in their dtype; the new k and v go into the window
     (cache.rkeys / rvalues are replaced) as there."""
     rk, rv = cache.rkeys, cache.rvalues
     kv_heads = rk.shape[1]
@@ -309,7 +309,7 @@ def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, sca
               "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
     out, cache.rkeys, cache.rvalues = _launch("fused_step_attention", _FUSED_STEP_SOURCE, roped, kv_heads, inputs,
                                               scale, {"rk_out": rk, "rv_out": rv},
-                                              q_heads=roped.shape[1] - 2 * kv_heads)  # fmt: skip
+                                              q_heads=roped.shape[1] - 2 * kv_heads, flat=True)  # fmt: skip
     return out
 
 
@@ -317,12 +317,13 @@ _kernels: dict = {}
 
 
 def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
-            also: dict, q_heads: int | None = None) -> list:  # fmt: skip
+            also: dict, q_heads: int | None = None, flat: bool = False) -> list:  # fmt: skip
     """Run kernel `name` over q + `inputs` + scale: out (B, q_heads, 1, D) in
     the queries' dtype (the kernel rounds its float32 sums on the way out, which
     saves each layer of a step a cast of its own), then each output named in
     `also`, shaped like its array there. `q_heads`: the query heads, where
-    `queries` holds more heads than that (HT: all of them)."""
+    `queries` holds more heads than that (HT: all of them). `flat`: out as
+    (B, q_heads * D), the same memory (the output projection's input)."""
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
             name=name, input_names=["q", *inputs, "scale"], output_names=["out", *also], source=source,
@@ -337,6 +338,6 @@ def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: di
                   ("UNROLL", _DECODE_UNROLL)],  # fmt: skip
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(B, n_heads, 1, d)] + [a.shape for a in also.values()],
+        output_shapes=[(B, n_heads * d) if flat else (B, n_heads, 1, d)] + [a.shape for a in also.values()],
         output_dtypes=[queries.dtype] + [a.dtype for a in also.values()],
     )

@@ -18,7 +18,7 @@ token per row none of that is needed:
 - attention (CUDA) reads q and the new k from that, the new v from the
   unrotated projection (`attention.fused_step_attention`).
 
-15 primitives a layer, 11 of them kernels (0.5B shape: 373 a step against 858).
+14 primitives a layer, 11 of them kernels (0.5B shape: 349 a step against 858).
 The ops are the model's own, in its order, on the same weights: on the CPU the
 logits equal the model's (float32, tested). Models this does not cover (other layer structures, quantized or
 unfused projections, q/k norms, sliding windows, other RoPE kinds) get None
@@ -137,12 +137,13 @@ class StepForward:
             heads = _proj(x, w.qkv_t, w.qkv_bias).reshape(B, hq + 2 * hkv, 1, d)
             roped = self.rope(heads, offset=offset)
             if kernel and fused_step_supported(heads, cache):
-                out = fused_step_attention(roped, heads, cache, self.scale)
+                out = fused_step_attention(roped, heads, cache, self.scale)  # (B, Hq * D)
             else:
                 keys, values = cache.update_and_fetch(roped[:, hq : hq + hkv], heads[:, hq + hkv :])
                 mask = caches[0].make_mask(1) if mask is None else mask
                 out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale, mask=mask)
-            h = h + _proj(out.reshape(B, hq * d), w.o_t, w.o_bias)
+                out = out.reshape(B, hq * d)
+            h = h + _proj(out, w.o_t, w.o_bias)
             x = mx.fast.rms_norm(h, w.norm2, w.eps2)
             gate, up = mx.split(_proj(x, w.gate_up_t, w.gate_up_bias), 2, axis=-1)
             h = h + _proj(swiglu(gate, up), w.down_t, w.down_bias)
