@@ -20,9 +20,11 @@ token per row none of that is needed:
 
 14 primitives a layer, 11 of them kernels (0.5B shape: 349 a step against 858).
 The ops are the model's own, in its order, on the same weights: on the CPU the
-logits equal the model's (float32, tested). Models this does not cover (other layer structures, quantized or
-unfused projections, q/k norms, sliding windows, other RoPE kinds) get None
-from `make_step_forward` and step through the model itself.
+logits equal the model's (float32, tested). qwen3's per-head q/k norms run
+before the RoPE (a concatenation puts q|k|v back together: 5 primitives more).
+Models this does not cover (other layer structures, quantized or unfused
+projections, sliding windows, other RoPE kinds) get None from
+`make_step_forward` and step through the model itself.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .attention import fused_step_attention, fused_step_supported
 
 log = logging.getLogger("batchgen")
 
-SUPPORTED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
+SUPPORTED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class _Layer:
     gate_up_bias: mx.array | None
     down_t: mx.array
     down_bias: mx.array | None
+    qk_norms: tuple | None = None  # qwen3: (q weight, k weight, eps), RMS norm of each head before RoPE
 
 
 def _proj(x: mx.array, w_t: mx.array, bias: mx.array | None) -> mx.array:
@@ -80,8 +83,11 @@ def _unsupported(model) -> str | None:
     if type(inner.embed_tokens) is not nn.Embedding or any(type(m) is not nn.Linear for m in _linears(model)):
         return "projections not fused, or quantized"
     first = inner.layers[0].self_attn
-    if hasattr(first, "q_norm") or type(first.rope) is not nn.RoPE:
-        return "q/k norms or a RoPE variant"
+    if type(first.rope) is not nn.RoPE:
+        return "a RoPE variant"
+    if hasattr(first, "q_norm") and not all(type(getattr(layer.self_attn, n)) is nn.RMSNorm
+                                            for layer in inner.layers for n in ("q_norm", "k_norm")):  # fmt: skip
+        return "another q/k norm"
     dims = first.rope.dims
     head_dim = _head_dim(first)
     if dims != head_dim or any(type(n) is not nn.RMSNorm for layer in inner.layers
@@ -123,8 +129,9 @@ class StepForward:
     def _layer(layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        qk = (attn.q_norm["weight"], attn.k_norm["weight"], attn.q_norm.eps) if hasattr(attn, "q_norm") else None
         return _Layer(n1["weight"], n1.eps, *_transposed(attn.qkv_proj), *_transposed(attn.o_proj), n2["weight"],
-                      n2.eps, *_transposed(mlp.gate_up_proj), *_transposed(mlp.down_proj))  # fmt: skip
+                      n2.eps, *_transposed(mlp.gate_up_proj), *_transposed(mlp.down_proj), qk)  # fmt: skip
 
     def __call__(self, inputs: mx.array, caches: list, kernel: bool) -> mx.array:
         B = inputs.shape[0]
@@ -135,7 +142,7 @@ class StepForward:
         for w, cache in zip(self.layers, caches):
             x = mx.fast.rms_norm(h, w.norm1, w.eps1)
             heads = _proj(x, w.qkv_t, w.qkv_bias).reshape(B, hq + 2 * hkv, 1, d)
-            roped = self.rope(heads, offset=offset)
+            roped = self.rope(heads if w.qk_norms is None else self._qk_normed(heads, w.qk_norms), offset=offset)
             if kernel and fused_step_supported(heads, cache):
                 out = fused_step_attention(roped, heads, cache, self.scale)  # (B, Hq * D)
             else:
@@ -148,6 +155,15 @@ class StepForward:
             gate, up = mx.split(_proj(x, w.gate_up_t, w.gate_up_bias), 2, axis=-1)
             h = h + _proj(swiglu(gate, up), w.down_t, w.down_bias)
         return mx.fast.rms_norm(h, self.norm, self.eps) @ self.head_t
+
+
+    def _qk_normed(self, heads: mx.array, norms: tuple) -> mx.array:
+        """qwen3's per-head RMS norms of q and k (v as it is), in one array again."""
+        hq, hkv = self.n_heads, self.n_kv_heads
+        q_w, k_w, eps = norms
+        q = mx.fast.rms_norm(heads[:, :hq], q_w, eps)
+        k = mx.fast.rms_norm(heads[:, hq : hq + hkv], k_w, eps)
+        return mx.concatenate([q, k, heads[:, hq + hkv :]], axis=1)
 
 
 def make_step_forward(model) -> Callable | None:
