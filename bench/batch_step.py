@@ -15,7 +15,8 @@ steady state, ms per step:
 - `graph_build`: building one step's graph in Python, not evaluated;
 - `compiled`: the batch step as batchgen's scheduler runs it: one compiled
   function over fixed-capacity buffers (`batchgen.compiled_step`, the kernel
-  hook installed);
+  hook installed, through `batchgen.step_forward` where it covers the model:
+  with `fused`);
 - `*_cap{N}`: the same over buffers of N positions (same rows and context):
   time that grows with N is time spent copying whole buffers;
 - `fused`: the batch step with fused QKV / gate-up weights (batchgen's default).
