@@ -188,7 +188,7 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
     unique = [i for i in unique if out[i] is None]
     pad_step = _pad_step(engine)
     if pad_step is not None:
-        _merge_hits(unique, prompts, fetched)
+        _merge_hits(unique, prompts, fetched, pad_step)
     for members in _prefix_groups(engine, unique, prompts, fetched).values():
         if len(members) > 1:
             _share_prefix(engine, members, prompts, fetched, plan)
@@ -234,16 +234,18 @@ def _prefix_groups(engine: Engine, unique: list[int], prompts: list[list[int]], 
     return groups
 
 
-def _merge_hits(unique: list[int], prompts: list[list[int]], fetched: dict) -> None:
+def _merge_hits(unique: list[int], prompts: list[list[int]], fetched: dict, step: int) -> None:
     """Cut pool hits back to a shorter hit of another prompt on the same tokens,
     at most MERGE_SLACK tokens shorter (shortest hits first: they are the bases
-    others join), so that those prompts fall into one prefix group."""
+    others join), so that those prompts fall into one prefix group. A hit is
+    kept where the tail after the cut would exceed `step` (the prefill step):
+    that prompt gets a pass of its own anyway (`_prefix_groups`)."""
     bases: list[int] = []
     for i in sorted(unique, key=lambda i: fetched[i][1]):
         cache, cached = fetched[i]
         for j in bases:
             base = fetched[j][1]
-            joins = pads_exactly(cache) and pads_exactly(fetched[j][0])
+            joins = pads_exactly(cache) and pads_exactly(fetched[j][0]) and len(prompts[i]) - base <= step
             if joins and cached - base <= MERGE_SLACK and prompts[i][:base] == prompts[j][:base]:
                 if cached > base:
                     trim_cache(cache, cached - base)

@@ -350,6 +350,26 @@ def test_pool_hits_a_little_longer_are_cut_back_to_share_a_pass(model_dir, monke
         assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
 
 
+def test_merged_hits_keep_a_hit_whose_tail_gets_a_pass_of_its_own():
+    """A hit is cut back to another prompt's shorter one only where the prompt
+    can then share that prompt's pass: its tail after the cut within the prefill
+    step (here 8). Prompt 1's would be 14 tokens: it keeps its 10 cached."""
+    from mlx_lm.models.cache import KVCache
+
+    from batchgen.entering import _merge_hits
+
+    def cached(n):
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
+        return [c]
+
+    prompts = [list(range(9)), list(range(20)), list(range(12))]
+    fetched = {0: (cached(6), 6), 1: (cached(10), 10), 2: (cached(9), 9)}
+    _merge_hits([0, 1, 2], prompts, fetched, step=8)
+    assert {i: n for i, (_, n) in fetched.items()} == {0: 6, 1: 10, 2: 6}
+    assert [c[0].offset for c, _ in fetched.values()] == [6, 10, 6]
+
+
 def test_row_groups_split_by_pass_size(monkeypatch):
     import batchgen.entering as ent
 
