@@ -116,7 +116,8 @@ class _Evaluated:
 @contextmanager
 def layer_by_layer(model: nn.Module, on: bool):
     """Within this block, `model`'s decoder layers (`.model.layers`, where it
-    has them) evaluate their output one at a time (`on`)."""
+    has them: the list itself, which a model's `layers` property may copy)
+    evaluate their output one at a time (`on`)."""
     layers = getattr(getattr(getattr(model, "language_model", model), "model", None), "layers", None)
     if not on or not isinstance(layers, list):
         yield
@@ -229,9 +230,16 @@ def _prefix_groups(engine: Engine, unique: list[int], prompts: list[list[int]], 
     groups: dict = {}
     for i in unique:
         cache, cached = fetched[i]
-        single = not pads_exactly(cache) or len(prompts[i]) - cached > engine.config.prefill_step_size
+        single = not _can_share(prompts[i], cache, cached, engine.config.prefill_step_size)
         groups.setdefault(("single", i) if single else (cached, tuple(prompts[i][:cached])), []).append(i)
     return groups
+
+
+def _can_share(prompt: list[int], cache: list, cached: int, step: int) -> bool:
+    """Whether a prompt whose first `cached` tokens are in `cache` can be a row
+    of a shared pass: plain caches (a trim drops the pads and nothing else) and
+    a tail within the prefill `step`."""
+    return pads_exactly(cache) and len(prompt) - cached <= step
 
 
 def _merge_hits(unique: list[int], prompts: list[list[int]], fetched: dict, step: int) -> None:
@@ -245,7 +253,7 @@ def _merge_hits(unique: list[int], prompts: list[list[int]], fetched: dict, step
         cache, cached = fetched[i]
         for j in bases:
             base = fetched[j][1]
-            joins = pads_exactly(cache) and pads_exactly(fetched[j][0]) and len(prompts[i]) - base <= step
+            joins = _can_share(prompts[i], cache, base, step) and pads_exactly(fetched[j][0])
             if joins and cached - base <= MERGE_SLACK and prompts[i][:base] == prompts[j][:base]:
                 if cached > base:
                     trim_cache(cache, cached - base)
