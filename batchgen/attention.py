@@ -33,7 +33,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .compiled_step import StepCache, kernel_head_size, kernel_takes
+from .compiled_step import StepCache, kernel_head_size
 from .turboquant_kernels import available as _cuda  # CUDA present, the default device a GPU
 from .turboquant_kernels import constant
 
@@ -289,12 +289,6 @@ def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> m
     out, cache.rkeys, cache.rvalues = _launch("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1], inputs,
                                               scale, {"rk_out": rk, "rv_out": rv})  # fmt: skip
     return out
-
-
-def fused_step_supported(heads: mx.array, cache: StepCache) -> bool:
-    """`fused_step_attention` takes this layer: the step's kernel hook on (CUDA),
-    one dtype and head size over the projection and the cache's buffers."""
-    return cache.kernel and kernel_takes(heads, cache.keys, cache.values, cache.rkeys, cache.rvalues)
 
 
 def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, scale: float) -> mx.array:

@@ -76,13 +76,19 @@ class StepCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] != 1:
             raise ValueError(f"StepCache takes one token per row, got {keys.shape[2]}")
-        if self.kernel and kernel_takes(keys, values, self.keys, self.values, self.rkeys, self.rvalues):
+        if self.takes_kernel(keys, values):
             self.new = (keys, values)  # the kernel attends to them and writes the window
             return self.keys, self.values
         slot = self.meta[1:2]
         self.rkeys = mx.slice_update(self.rkeys, keys, slot, axes=(2,))
         self.rvalues = mx.slice_update(self.rvalues, values, slot, axes=(2,))
         return mx.concatenate([self.keys, self.rkeys], axis=2), mx.concatenate([self.values, self.rvalues], axis=2)
+
+    def takes_kernel(self, *new) -> bool:
+        """Whether the step kernel serves this layer, fed `new` (the step's keys
+        and values, or the projection they come from): the hook on (CUDA) and
+        `_kernel_takes` over them and the buffers."""
+        return self.kernel and _kernel_takes(*new, self.keys, self.values, self.rkeys, self.rvalues)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(B, 1, 1, capacity + WINDOW): the big buffers' columns, then the window's."""
@@ -114,7 +120,7 @@ def kernel_head_size(*arrays) -> bool:
     return all(a.shape[-1] == d for a in arrays) and d % 32 == 0 and d <= 256
 
 
-def kernel_takes(*arrays) -> bool:
+def _kernel_takes(*arrays) -> bool:
     """The step kernel's needs: one dtype (it picks each position's pointer
     from three buffers) and `kernel_head_size`."""
     return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
@@ -128,7 +134,7 @@ def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True) 
     `kernel`: attention through `attention`'s step kernels (CUDA, the hook
     installed). `own_forward`: through `step_forward` where it covers the model
     (a third of the primitives), else the model's own layers."""
-    from .step_forward import make_step_forward
+    from .step_forward import make_step_forward  # it imports `attention`, which imports this module
 
     forward = make_step_forward(model) if own_forward else None
 

@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from .attention import fused_step_attention, fused_step_supported
+from .attention import fused_step_attention
 
 log = logging.getLogger("batchgen")
 
@@ -143,7 +143,7 @@ class StepForward:
             x = mx.fast.rms_norm(h, w.norm1, w.eps1)
             heads = _proj(x, w.qkv_t, w.qkv_bias).reshape(B, hq + 2 * hkv, 1, d)
             roped = self.rope(heads if w.qk_norms is None else self._qk_normed(heads, w.qk_norms), offset=offset)
-            if kernel and fused_step_supported(heads, cache):
+            if kernel and cache.takes_kernel(heads):
                 out = fused_step_attention(roped, heads, cache, self.scale)  # (B, Hq * D)
             else:
                 keys, values = cache.update_and_fetch(roped[:, hq : hq + hkv], heads[:, hq + hkv :])
