@@ -41,14 +41,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import mark_cache
-from .compiled_step import CompiledSteps, held_positions
-from .config import KVConfig
+from .compiled_step import CompiledSteps, buffers, held_positions
 from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
                      pick_first)
 from .entering import start_prompts
 from .jobs import BadJob, Job
 from .sampling import job_seed, make_keys, pick
 from .stats import JobStats, Result, Timer
+from .turboquant import TurboQuantKVCache
+from .turboquant_batch import Layout, TurboQuantBatchLayer
 from .turboquant_kernels import available as cuda_available
 
 log = logging.getLogger("batchgen")
@@ -86,21 +87,38 @@ def read_ahead(source: Iterator, n: int) -> list:
 
 
 def supports_batching(cache: list) -> tuple[bool, str]:
-    """Batched decoding needs plain KV caches in every layer."""
-    kinds = {type(c).__name__ for c in cache if not isinstance(c, KVCache)}
+    """Batched decoding needs plain KV caches, or TurboQuant's, in every layer."""
+    kinds = {type(c).__name__ for c in cache if not isinstance(c, (KVCache, TurboQuantKVCache))}
     if kinds:
         return False, f"cache layers {', '.join(sorted(kinds))} cannot be batched"
     return True, ""
 
 
-def kv_bytes_per_token(cache: list) -> int:
-    """Bytes of K+V per token over all layers, read off a filled cache."""
-    total = 0
+def kv_bytes_per_token(cache: list) -> tuple[int, int]:
+    """(bytes of K+V per token over all layers, bytes a batch row holds
+    besides: TurboQuant's exact sinks, tail and window), read off a filled cache."""
+    per_token = per_row = 0
     for c in cache:
-        if c.keys is not None:
+        if isinstance(c, TurboQuantKVCache):
+            layout, heads = Layout.of(c), c.sink_keys.shape[1]
+            per_token += layout.code_bytes(heads)
+            per_row += layout.exact_bytes(heads) * (layout.sink_tokens + layout.tail + layout.window)
+        elif getattr(c, "keys", None) is not None:
             k, v = c.keys, c.values
-            total += k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size
-    return total
+            per_token += k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size
+    return per_token, per_row
+
+
+def _map_buffers(c, fn, names: tuple[str, ...] = ()) -> None:
+    """Replace a batch layer's column buffers (and `names`) a by fn(a)."""
+    for name in buffers(c) + names:
+        a = getattr(c, name)
+        if a is not None:
+            setattr(c, name, fn(a))
+
+
+def _empty(c) -> bool:
+    return getattr(c, buffers(c)[0]) is None
 
 
 @dataclass
@@ -137,12 +155,16 @@ class BatchScheduler:
         self.model = engine.model
         self.B = batch_size
         self.budget = kv_budget_bytes
-        self.per_token = engine._kv_bytes_per_token()  # KV bytes per token
-        layers = len(engine.make_cache(engine.config.kv))
+        # Every row's cache is of the run's kind: fp16, or TurboQuant's codes.
+        self.kv = engine.config.kv
+        self.turbo = self.kv.kind == "turboquant"
+        self.per_token, self.per_row = engine._kv_bytes_per_token(self.kv)  # KV bytes per token, and per row
+        layers = len(engine.make_cache(self.kv))  # (TurboQuant: its attention hook installed)
         self.rows: list[Row | None] = [None] * batch_size
-        self.cache = [BatchKVCache([0] * batch_size) for _ in range(layers)]
+        layer = (lambda: TurboQuantBatchLayer(batch_size)) if self.turbo else (lambda: BatchKVCache([0] * batch_size))
+        self.cache = [layer() for _ in range(layers)]
         self.pads = [0] * batch_size  # each row's left padding, as the caches hold it
-        if engine.short_attention:  # one-query steps through `batch_decode_attention`
+        if engine.short_attention and not self.turbo:  # one-query steps through `batch_decode_attention`
             mark_cache(self.cache)
         self.step = 0
         self.exhausted = False  # the job stream has ended
@@ -159,9 +181,10 @@ class BatchScheduler:
         self.stepper = CompiledSteps(self.model, kernel, engine.batch_steps, engine.config.batch_step_forward)
 
     @staticmethod
-    def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256) -> int:
+    def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256,
+                  per_row: int = 0) -> int:  # fmt: skip
         """Rows whose worst-case KV (each row `tokens_per_job` long) fits the budget."""
-        return max(1, min(cap, kv_budget_bytes // max(per_token_bytes * tokens_per_job, 1)))
+        return max(1, min(cap, kv_budget_bytes // max(per_token_bytes * tokens_per_job + per_row, 1)))
 
     @property
     def live(self) -> int:
@@ -177,7 +200,8 @@ class BatchScheduler:
         if self.live == 0 and not entering:
             return True  # a job that alone exceeds the budget still runs, alone
         # every row's buffers are as long as the longest row's, rounded up as the step holds them
-        return self.B * held_positions(self._worst_len(entering + [row])) * self.per_token <= self.budget
+        row_bytes = held_positions(self._worst_len(entering + [row])) * self.per_token + self.per_row
+        return self.B * row_bytes <= self.budget
 
     def _row(self, job: Job) -> Row:
         """A job about to enter: tokenized, its sampling keys drawn."""
@@ -185,12 +209,13 @@ class BatchScheduler:
         timer = Timer()
         tokens = e.checked_tokens(job)
         plan = e.plan(job)
-        if (plan.decode.draft == "pld" or plan.kv.kind != "fp16") and not self.logged_overrides:
-            log.info("batched decoding: jobs run with plain decoding over an fp16 KV cache (PLD and TurboQuant are the batch-size-1 path)")
+        if (plan.decode.draft == "pld" or plan.kv != self.kv) and not self.logged_overrides:
+            log.info(f"batched decoding: jobs run with plain decoding over the batch's {self.kv.kind} KV cache "
+                     "(PLD, and a job's own cache kind, are the batch-size-1 path)")  # fmt: skip
             self.logged_overrides = True
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
-        stats = JobStats(draft="none", kv_cache="fp16")
+        stats = JobStats(draft="none", kv_cache=self.kv.kind)
         return Row(job, tokens, 0, text, keys, stats, timer, queued=1)
 
     def _start(self, rows: list[Row]) -> tuple[list[Row], list[Result]]:
@@ -199,7 +224,7 @@ class BatchScheduler:
         pass that fails is retried row by row, so a bad job fails alone)."""
         e = self.engine
         timer = Timer()
-        plan = JobPlan(e.config.decode, KVConfig(kind="fp16"))
+        plan = JobPlan(e.config.decode, self.kv)
         try:
             starts = start_prompts(e, [r.tokens for r in rows], plan, feed_last=True)
         except Exception:
@@ -237,6 +262,9 @@ class BatchScheduler:
             self._grow_left(n - self.cache[0]._idx)
         idx = self.cache[0]._idx
         for bc, jc in zip(self.cache, row.job_cache):
+            if self.turbo:
+                bc.place(index, jc, n, self.B)
+                continue
             k, v = jc.keys[..., :n, :], jc.values[..., :n, :]
             if bc.keys is None:
                 shape = (self.B, k.shape[1], idx, k.shape[3])
@@ -255,10 +283,7 @@ class BatchScheduler:
     def _grow_left(self, need: int) -> None:
         grow = -(-need // _GROW_STEP) * _GROW_STEP
         for bc in self.cache:
-            if bc.keys is not None:
-                pad = [(0, 0), (0, 0), (grow, 0), (0, 0)]
-                bc.keys = mx.pad(bc.keys[..., : bc._idx, :], pad)
-                bc.values = mx.pad(bc.values[..., : bc._idx, :], pad)
+            _map_buffers(bc, lambda a: mx.pad(a[:, :, : bc._idx], [(0, 0), (0, 0), (grow, 0)] + [(0, 0)] * (a.ndim - 3)))
             bc._idx += grow
             bc.left_padding = bc.left_padding + grow
         self.pads = [p + grow for p in self.pads]
@@ -266,15 +291,14 @@ class BatchScheduler:
     def _compact(self) -> None:
         """Cut the left padding that every live row has."""
         live = [i for i, r in enumerate(self.rows) if r is not None]
-        if not live or self.cache[0].keys is None:
+        if not live or _empty(self.cache[0]):
             return
         cut = min(self.pads[i] for i in live)  # a host copy: reading the device's would drain the pipeline
         if cut < _COMPACT_PAD:
             return
         self.stepper.flush(self.cache)  # the cut keeps positions up to the write position only
         for bc in self.cache:
-            bc.keys = bc.keys[..., cut : bc._idx, :]
-            bc.values = bc.values[..., cut : bc._idx, :]
+            _map_buffers(bc, lambda a: a[:, :, cut : bc._idx])
             bc._idx -= cut
             bc.left_padding = mx.maximum(bc.left_padding - cut, 0)
         self.pads = [max(p - cut, 0) for p in self.pads]
@@ -286,8 +310,7 @@ class BatchScheduler:
             return
         index = mx.array(keep)
         for bc in self.cache:
-            if bc.keys is not None:
-                bc.keys, bc.values = bc.keys[index], bc.values[index]
+            _map_buffers(bc, lambda a: a[index], getattr(bc, "ROWS", ()))
             bc.offset, bc.left_padding = bc.offset[index], bc.left_padding[index]
         self.stepper.select(index)
         self.pads = [self.pads[i] for i in keep]
@@ -321,6 +344,9 @@ class BatchScheduler:
                 return self.stepper(self.cache, inputs, sample, check=not self.report["steps"])
             except Exception as e:  # a model the recording (or its kernel) cannot take: step by step instead
                 log.info("batched decoding: compiled step unavailable (%s: %s); stepping uncompiled", type(e).__name__, e)
+                if self.turbo:  # its layers are stepped by the step function alone: unrecorded, then
+                    self.stepper.compiled = False
+                    return self.stepper(self.cache, inputs, sample)
                 self.compiled = False
                 self.stepper.flush(self.cache)
                 for c in self.cache:  # the offsets the uncompiled step reads
@@ -361,7 +387,7 @@ class BatchScheduler:
         return done
 
     def _finish(self, row: Row) -> Result:
-        row.stats.kv_bytes = (len(row.tokens) + row.text.completion_tokens) * self.per_token
+        row.stats.kv_bytes = (len(row.tokens) + row.text.completion_tokens) * self.per_token + self.per_row
         return finished_result(row.job, row.text, row.stats, len(row.tokens), row.cached,
                                row.first_token_s, row.timer.elapsed_s)  # fmt: skip
 
@@ -431,4 +457,5 @@ class BatchScheduler:
                 if self.step % _COMPACT_EVERY == 0:
                     self._compact()
                 self._shrink()
-        self.engine.batch_report.update(self.report)
+        stepped = "compiled" if self.compiled and self.stepper.compiled else "unrecorded" if self.compiled else "model"
+        self.engine.batch_report.update(self.report, step=stepped, kv_cache=self.kv.kind)

@@ -130,8 +130,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
             cache_dir=prompt_cache_dir,
             prewarm_file=prewarm_file,
         ),
-        # TurboQuant is the batch-size-1 path: asking for it picks that path.
-        batch_size=_parse_batch_size(batch_size) or (1 if kv_cache == "turboquant" else None),
+        batch_size=_parse_batch_size(batch_size),
         kv_budget_bytes=_parse_bytes(kv_budget),
     )
     cfg = RunConfig(

@@ -126,20 +126,49 @@ def _kernel_takes(*arrays) -> bool:
     return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
 
 
-def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True) -> Callable:
-    """The compiled step: (inputs (B,), keys, values, rkeys, rvalues [one per
-    layer], meta, left_padding) -> (greedy tokens (B,), logits (B, vocab) or
-    None, new rkeys, new rvalues). `sample_rows`: also return the logits (some
-    rows sample); greedy-only batches read back B tokens and nothing more.
-    `kernel`: attention through `attention`'s step kernels (CUDA, the hook
-    installed). `own_forward`: through `step_forward` where it covers the model
-    (a third of the primitives), else the model's own layers."""
+def layer_kind(c) -> tuple | str:
+    """What a batch layer holds, as the step takes it: "fp16" (mlx-lm's
+    `BatchKVCache`) or a TurboQuant batch layer's kind."""
+    return getattr(c, "step_kind", "fp16")
+
+
+def layer_arrays(c) -> tuple:
+    """A batch layer's arrays as the step takes them."""
+    return c.step_arrays() if hasattr(c, "step_arrays") else (c.keys, c.values)
+
+
+def buffers(c) -> tuple[str, ...]:
+    """Names of a batch layer's arrays indexed by column on axis 2."""
+    return getattr(c, "BUFFERS", ("keys", "values"))
+
+
+def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, shared: dict):
+    if kind == "fp16":
+        return StepCache(*arrays, rkeys, rvalues, meta, left_padding, kernel)
+    from .turboquant_batch import TurboQuantStepCache
+
+    return TurboQuantStepCache(kind[1], arrays, rkeys, rvalues, meta, left_padding, shared)
+
+
+def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True, kinds: tuple | None = None,
+              compiled: bool = True) -> Callable:  # fmt: skip
+    """The compiled step: (inputs (B,), layers [one tuple of `layer_arrays`
+    per layer], rkeys, rvalues [one per layer], meta, left_padding) ->
+    (greedy tokens (B,), logits (B, vocab) or None, new rkeys, new rvalues).
+    `sample_rows`: also return the logits (some rows sample); greedy-only
+    batches read back B tokens and nothing more. `kernel`: attention through
+    `attention`'s step kernels (CUDA, the hook installed). `own_forward`:
+    through `step_forward` where it covers the model (a third of the
+    primitives), else the model's own layers. `kinds`: each layer's
+    `layer_kind` (None: fp16). `compiled`: False runs the same step unrecorded."""
     from .step_forward import make_step_forward  # it imports `attention`, which imports this module
 
     forward = make_step_forward(model) if own_forward else None
 
-    def step(inputs, keys, values, rkeys, rvalues, meta, left_padding):
-        cache = [StepCache(*layer, meta, left_padding, kernel) for layer in zip(keys, values, rkeys, rvalues)]
+    def step(inputs, layers, rkeys, rvalues, meta, left_padding):
+        shared: dict = {}  # what the layers of one step compute once (TurboQuant's masks)
+        cache = [_step_cache("fp16" if kinds is None else kinds[i], arrays, rk, rv, meta, left_padding, kernel, shared)
+                 for i, (arrays, rk, rv) in enumerate(zip(layers, rkeys, rvalues))]  # fmt: skip
         if forward is not None:
             logits = forward(inputs, cache, kernel)
         else:
@@ -148,7 +177,7 @@ def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True) 
         out_k, out_v = [c.rkeys for c in cache], [c.rvalues for c in cache]
         return (tokens, logits, out_k, out_v) if sample_rows else (tokens, out_k, out_v)
 
-    fn = mx.compile(step)
+    fn = mx.compile(step) if compiled else step
     if sample_rows:
         return fn
 
@@ -160,52 +189,67 @@ def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True) 
 
 
 def fit_capacity(cache: list, at_least: int = 0) -> None:
-    """Give mlx-lm `BatchKVCache` layers big buffers of `capacity_for` their
-    write position plus a full window, or `at_least` (the step's shapes change
-    only when this does; cutting spare positions is safe, none beyond `_idx`
-    are used)."""
-    want, have = max(capacity_for(cache[0]._idx + WINDOW), at_least), cache[0].keys.shape[2]
+    """Give the batch layers (mlx-lm `BatchKVCache`, or TurboQuant's) big
+    buffers of `capacity_for` their write position plus a full window, or
+    `at_least` (the step's shapes change only when this does; cutting spare
+    positions is safe, none beyond `_idx` are used)."""
+    first = getattr(cache[0], buffers(cache[0])[0])
+    want, have = max(capacity_for(cache[0]._idx + WINDOW), at_least), first.shape[2]
     if have == want:
         return
     for c in cache:
-        if have > want:
-            c.keys, c.values = c.keys[..., :want, :], c.values[..., :want, :]
-        else:
-            pad = [(0, 0), (0, 0), (0, want - have), (0, 0)]
-            c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+        for name in buffers(c):
+            a = getattr(c, name)
+            if have > want:
+                a = a[:, :, :want]
+            else:
+                a = mx.pad(a, [(0, 0), (0, 0), (0, want - have)] + [(0, 0)] * (a.ndim - 3))
+            setattr(c, name, a)
 
 
 class CompiledSteps:
-    """Steps a batch held in mlx-lm `BatchKVCache` layers (big buffers, write
-    position `_idx`, `left_padding`) through the compiled step, keeping the
-    recent window between steps. `recorded`: where the compiled steps are kept
-    (a dict that outlives this object: recording costs). `own_forward`: see
-    `make_step`."""
+    """Steps a batch held in batch layers (mlx-lm `BatchKVCache`, or
+    TurboQuant's: big buffers, write position `_idx`, `left_padding`) through
+    the compiled step, keeping the recent window between steps. `recorded`:
+    where the compiled steps are kept (a dict that outlives this object:
+    recording costs). `own_forward`: see `make_step`. `compiled`: False steps
+    unrecorded (a model the recording cannot take)."""
 
     def __init__(self, model, kernel: bool, recorded: dict, own_forward: bool = True):
         self.model, self.kernel, self.recorded, self.own_forward = model, kernel, recorded, own_forward
-        self.keys: list | None = None  # the window, one (B, heads, WINDOW, D) per layer
+        self.compiled = True
+        self.keys: list | None = None  # the window, one (B, heads, window, D) per layer
         self.values: list | None = None
         self.used = 0  # positions the window holds
         self.min_capacity = 0  # big buffers of at least this many positions (benchmarks)
+
+    @staticmethod
+    def window_size(cache: list) -> int:
+        """Slots of the window: `WINDOW`, or a TurboQuant layer's exact window
+        (flushed before any slot would be read from its codes)."""
+        layout = getattr(cache[0], "layout", None)
+        return WINDOW if layout is None else layout.window
 
     def __call__(self, cache: list, inputs: mx.array, sample: bool,
                  check: bool = False) -> tuple[mx.array, mx.array | None]:  # fmt: skip
         """Queue one step: (greedy tokens (B,), logits or None). `check`:
         evaluate it now, so that a step that cannot run raises here and leaves
         the window as it was."""
-        if self.used == WINDOW:
+        window = self.window_size(cache)
+        if self.used == window:
             self.flush(cache)
         fit_capacity(cache, self.min_capacity)
-        self._ready(cache)
-        key = (sample, self.kernel, self.own_forward)
+        self._ready(cache, window)
+        kinds = tuple(layer_kind(c) for c in cache)
+        key = (sample, self.kernel, self.own_forward, kinds if kinds.count("fp16") != len(kinds) else "fp16",
+               self.compiled)  # fmt: skip
         if key not in self.recorded:
             self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel,
-                                           own_forward=self.own_forward)  # fmt: skip
+                                           own_forward=self.own_forward, kinds=kinds, compiled=self.compiled)  # fmt: skip
         c0 = cache[0]
-        meta = mx.array([c0._idx, self.used, c0.keys.shape[2], WINDOW], mx.int32)
-        keys, values = [c.keys for c in cache], [c.values for c in cache]
-        tokens, logits, rkeys, rvalues = self.recorded[key](inputs, keys, values, self.keys, self.values, meta,
+        meta = mx.array([c0._idx, self.used, getattr(c0, buffers(c0)[0]).shape[2], window], mx.int32)
+        layers = [layer_arrays(c) for c in cache]
+        tokens, logits, rkeys, rvalues = self.recorded[key](inputs, layers, self.keys, self.values, meta,
                                                              c0.left_padding)  # fmt: skip
         if check:
             mx.eval(tokens, rkeys, rvalues)
@@ -213,13 +257,14 @@ class CompiledSteps:
         self.used += 1
         return tokens, logits
 
-    def _ready(self, cache: list) -> None:
+    def _ready(self, cache: list, window: int) -> None:
         """Window buffers of the cache's rows, heads and dtype (new ones where those changed)."""
-        k = cache[0].keys
-        shape = (k.shape[0], k.shape[1], WINDOW)
-        if self.keys is None or self.keys[0].shape[:3] != shape or self.keys[0].dtype != k.dtype:
-            self.keys = [mx.zeros(shape + (c.keys.shape[3],), k.dtype) for c in cache]
-            self.values = [mx.zeros(shape + (c.values.shape[3],), c.values.dtype) for c in cache]
+        B, H, dk, _, dtype = _window_like(cache[0])
+        shape = (B, H, window)
+        if self.keys is None or self.keys[0].shape[:3] != shape or self.keys[0].dtype != dtype:
+            likes = [_window_like(c) for c in cache]
+            self.keys = [mx.zeros(shape + (like[2],), like[4]) for like in likes]
+            self.values = [mx.zeros(shape + (like[3],), like[4]) for like in likes]
 
     def flush(self, cache: list) -> None:
         """Write the window's positions at the write position and advance it
@@ -229,6 +274,9 @@ class CompiledSteps:
             return
         fit_capacity(cache, self.min_capacity)
         for c, rk, rv in zip(cache, self.keys, self.values):
+            if hasattr(c, "write_window"):
+                c.write_window(rk, rv, n)
+                continue
             c.keys[..., c._idx : c._idx + n, :] = rk[..., :n, :]
             c.values[..., c._idx : c._idx + n, :] = rv[..., :n, :]
             c._idx += n
@@ -239,3 +287,10 @@ class CompiledSteps:
         if self.keys is not None:
             self.keys = [k[rows] for k in self.keys]
             self.values = [v[rows] for v in self.values]
+
+
+def _window_like(c) -> tuple:
+    """(rows, heads, key dim, value dim, dtype) of a layer's window."""
+    if hasattr(c, "window_like"):
+        return c.window_like()
+    return (*c.keys.shape[:2], c.keys.shape[3], c.values.shape[3], c.keys.dtype)

@@ -368,7 +368,7 @@ class Engine:
         self.load_s = 0.0
         self.model_memory_gb = 0.0
         self._digest = None
-        self._per_token_bytes: int | None = None
+        self._per_token_bytes: dict = {}  # (kind, bits) -> `_kv_bytes_per_token`
         pc = config.prompt_cache
         self.pool = PromptPool(pc.max_bytes or default_pool_bytes()) if pc.enabled else None
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
@@ -533,7 +533,7 @@ class Engine:
         if rows > 1:
             from .batch import BatchScheduler, supports_batching
 
-            ok, why = supports_batching(self.make_cache(KVConfig()))
+            ok, why = supports_batching(self.make_cache(self.config.kv))
             if ok:
                 log.info(f"batched decoding: up to {rows} jobs per step")
                 self.batch_report = {"rows": rows}
@@ -562,19 +562,24 @@ class Engine:
             from .batch import BatchScheduler
             from .compiled_step import held_positions
 
-            per_token = self._kv_bytes_per_token()
-            b = BatchScheduler.auto_size(self.kv_budget_bytes, per_token, held_positions(1024 + DEFAULT_MAX_TOKENS))
+            per_token, per_row = self._kv_bytes_per_token(self.config.kv)
+            b = BatchScheduler.auto_size(self.kv_budget_bytes, per_token, held_positions(1024 + DEFAULT_MAX_TOKENS),
+                                         per_row=per_row)  # fmt: skip
         return max(1, min(b, total)) if total else b
 
-    def _kv_bytes_per_token(self) -> int:
-        """fp16 KV bytes per token over all layers: read off a one-token pass, once."""
-        if self._per_token_bytes is None:
+    def _kv_bytes_per_token(self, kv: KVConfig | None = None) -> tuple[int, int]:
+        """(KV bytes per token over all layers, bytes each batch row holds
+        besides: TurboQuant's exact sinks and windows) for a cache kind (fp16 by
+        default): read off a one-token pass, once per kind."""
+        kv = kv or KVConfig()
+        key = (kv.kind, kv.bits if kv.kind == "turboquant" else None)
+        if key not in self._per_token_bytes:
             from .batch import kv_bytes_per_token
 
-            cache = self.make_cache(KVConfig())
+            cache = self.make_cache(kv)
             self.model(mx.array([[0]]), cache=cache)
-            self._per_token_bytes = kv_bytes_per_token([c for c in cache if hasattr(c, "keys")])
-        return self._per_token_bytes
+            self._per_token_bytes[key] = kv_bytes_per_token(cache)
+        return self._per_token_bytes[key]
 
     def checked_tokens(self, job: Job) -> list[int]:
         """The job's prompt tokens, or `JobRunError` if they cannot run here."""

@@ -147,8 +147,12 @@ class StepForward:
                 out = fused_step_attention(roped, heads, cache, self.scale)  # (B, Hq * D)
             else:
                 keys, values = cache.update_and_fetch(roped[:, hq : hq + hkv], heads[:, hq + hkv :])
-                mask = caches[0].make_mask(1) if mask is None else mask
-                out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale, mask=mask)
+                if hasattr(cache, "attention"):  # TurboQuant's batch layer attends from its codes
+                    out = cache.attention(roped[:, :hq], self.scale)
+                else:
+                    mask = caches[0].make_mask(1) if mask is None else mask
+                    out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale,
+                                                               mask=mask)  # fmt: skip
                 out = out.reshape(B, hq * d)
             h = h + _proj(out, w.o_t, w.o_bias)
             x = mx.fast.rms_norm(h, w.norm2, w.eps2)

@@ -1258,6 +1258,8 @@ def _wrap_turboquant(inner):
     routed TurboQuantKVCache, `inner` (whatever the module had) for any other cache."""
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+        if getattr(cache, "turboquant_step", False):  # a batch's layer (turboquant_batch)
+            return cache.attention(queries, scale=scale, sinks=sinks)
         if isinstance(cache, TurboQuantKVCache) and cache.routed:
             # `keys`/`values` (the dequantized fetch) are left unused, so MLX's lazy
             # graph never computes them.

@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8)
+#    stepops bprof8 tqbatch tqfree)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -232,6 +232,26 @@ stage_turboquant() {  # issue 7: decode speed and KV bytes against the fp16 cach
       --max-tokens "${TQ_TOKENS:-64}" --draft "$draft" --no-prompt-cache --no-fuse --kv-cache turboquant --kv-bits 4 \
       --out "$R/${tag}_${s}_${n}.json"
   done
+}
+
+stage_tqbatch() {  # issue 8: TurboQuant rows in a batch: the step's attention on CUDA against the cache alone (stops
+  # the call if it fails), then long-prompt throughput and memory, TurboQuant rows and fp16 rows against batch_generate
+  # (TQB_SHAPES, TQB_CONTEXT prompt tokens, TQB_ROWS, TQB_JOBS distinct jobs)
+  step tqb_test 150 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_batch.py -k reads_what || return 1
+  for s in ${TQB_SHAPES:-qwen2.5-0.5b}; do
+    for kv in turboquant fp16; do
+      step "tqb_${s}_${kv}" 240 $BG --shape "$s" --model "$DEMO" --synthetic "${TQB_CONTEXT:-4096}" \
+        --synthetic-jobs "${TQB_JOBS:-64}" --jobs-total "${TQB_JOBS:-64}" --max-tokens 128 --throughput "${TQB_ROWS:-8,32}" \
+        --no-prompt-cache --kv-cache "$kv" --out "$R/tqbatch_${s}_${kv}.json"
+    done
+  done
+}
+
+stage_tqfree() {  # issue 8: jobs/freeform.jsonl on the 0.5B shape with TurboQuant rows (TQF_ROWS) and fp16 rows (8, 32)
+  step tqf_turboquant 300 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput "${TQF_ROWS:-8,32,auto}" \
+    --jobs-total 256 --max-tokens 128 --kv-cache turboquant --out "$R/tqfree_turboquant.json"
+  step tqf_fp16 200 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 256 --max-tokens 128 --out "$R/tqfree_fp16.json"
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call

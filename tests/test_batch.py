@@ -153,8 +153,8 @@ def test_a_step_that_cannot_be_recorded_falls_back_to_uncompiled(model_dir, monk
     sched = BatchScheduler(engine(path, 3), 3, kv_budget_bytes=1 << 40)
     real, held = cs.make_step, []
 
-    def flaky(model, sample_rows, kernel, own_forward=True):
-        step = real(model, sample_rows, kernel, own_forward)
+    def flaky(model, sample_rows, kernel, **kw):
+        step = real(model, sample_rows, kernel, **kw)
 
         def run(*args):
             if sched.stepper.used >= 4:
@@ -181,7 +181,7 @@ def test_budget_counts_the_buffers_as_the_step_holds_them(model_dir):
     path = model_dir("qwen2")
     e = engine(path, 4)
     longest = max(len(e.prompt_tokens(j)) + j.max_tokens for j in jobs())
-    sched = BatchScheduler(e, 4, kv_budget_bytes=4 * held_positions(longest) * e._kv_bytes_per_token() - 1)
+    sched = BatchScheduler(e, 4, kv_budget_bytes=4 * held_positions(longest) * e._kv_bytes_per_token()[0] - 1)
     assert 4 * longest * sched.per_token <= sched.budget
     live_max = 0
     real_read = sched._read

@@ -272,19 +272,19 @@ def test_draft_auto_resolves_to_pld(tmp_path, model):
     assert read_lines(tmp_path / "o.jsonl")[0]["stats"]["draft"] == want
 
 
-def test_turboquant_run_keeps_its_cache_where_the_device_would_batch(tmp_path, model, monkeypatch):
-    """On a GPU the default batches (rows hold fp16 caches); asking for TurboQuant
-    runs jobs one at a time with it, unless --batch-size says otherwise."""
+def test_turboquant_run_batches_over_its_cache_where_the_device_would_batch(tmp_path, model, monkeypatch):
+    """On a GPU the default batches; with TurboQuant the rows hold its codes
+    (auto sizes the batch to them); --batch-size 1 runs jobs one at a time."""
     from batchgen import engine as engine_module
 
     monkeypatch.setattr(engine_module, "default_batch_size", lambda: "auto")
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
-    for extra, kind in (((), "turboquant"), (("--batch-size", "2"), "fp16")):
-        out = tmp_path / f"out-{kind}.jsonl"
+    for extra, rows in (((), 3), (("--batch-size", "2"), 2), (("--batch-size", "1"), 1)):
+        out = tmp_path / f"out-{rows}.jsonl"
         r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--kv-cache", "turboquant", "--no-fuse", *extra)
         assert r.exit_code == 0, r.stderr
-        assert {l["stats"]["kv_cache"] for l in read_lines(out)} == {kind}
-        assert ("batched decoding: up to 2 jobs per step" in r.stderr) == bool(extra)
+        assert {l["stats"]["kv_cache"] for l in read_lines(out)} == {"turboquant"}
+        assert (f"batched decoding: up to {rows} jobs per step" in r.stderr) == (rows > 1)
 
 
 def test_summary_reports_the_batch_and_overall_throughput(tmp_path, model):

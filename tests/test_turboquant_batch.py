@@ -1,0 +1,190 @@
+"""TurboQuant's codes as a continuous batch's KV cache: float32 greedy texts
+equal each job's alone over TurboQuant's own cache; the rows hold codes."""
+
+import mlx.core as mx
+import pytest
+
+from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
+from batchgen.engine import Engine
+
+from test_batch import TEXTS, jobs
+from test_engine import make_job
+
+
+def engine(path, batch_size, bits=4, pool=False, prewarm=False, compiled=True):
+    cfg = EngineConfig(
+        model=str(path), fuse=True, decode=DecodeConfig(draft="none"), batch_size=batch_size,
+        kv=KVConfig(kind="turboquant", bits=bits), compiled_batch_step=compiled,
+        prompt_cache=PromptCacheConfig(enabled=pool, prewarm=prewarm),
+    )  # fmt: skip
+    return Engine.load(cfg)
+
+
+def run(e, items):
+    return {r.id: r for r in e.run_all(items)}
+
+
+def assert_same_texts(got: dict, alone: dict):
+    assert sorted(got) == sorted(alone)
+    for i, r in got.items():
+        assert r.ok, r.error
+        assert r.text == alone[i].text, i
+        assert r.finish_reason == alone[i].finish_reason
+        assert r.stats.kv_cache == "turboquant"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("bits,batch_size", [(4, 3), (3, 8)])
+def test_batched_greedy_equals_turboquant_alone(model_dir, arch, bits, batch_size):
+    path = model_dir(arch)
+    alone = run(engine(path, 1, bits), jobs())
+    batched = engine(path, batch_size, bits)
+    got = run(batched, jobs())
+    assert batched.batch_report["rows"] == batch_size and batched.batch_report["step"] == "compiled"
+    assert_same_texts(got, alone)
+
+
+def test_long_rows_cross_windows_sinks_and_capacities(model_dir):
+    """Rows of 1-2 prompt tokens (their sinks written from the window), rows
+    that outgrow the buffers and refill the window many times, a long prompt
+    entering beside short rows (left growth) and padding cut when it leaves."""
+    from batchgen.batch import BatchScheduler
+
+    path = model_dir("qwen2")
+    items = [make_job(prompt="a", max_tokens=300, job_id="one-token"),
+             make_job(TEXTS[5], max_tokens=40, job_id="short"),
+             make_job(TEXTS[1] * 12, max_tokens=30, job_id="long-in"),
+             make_job(prompt="hi", max_tokens=120, job_id="two-tokens")]  # fmt: skip
+    alone = run(engine(path, 1), items)
+    sched = BatchScheduler(engine(path, 2), 2, kv_budget_bytes=1 << 40)
+    capacities = []
+    real = sched._forward
+
+    def spy(inputs):
+        out = real(inputs)
+        capacities.append(sched.cache[0].key_codes.shape[2])
+        return out
+
+    sched._forward = spy
+    got = {r.id: r for r in sched.run(items)}
+    assert_same_texts(got, alone)
+    assert len(set(capacities)) >= 2
+
+
+def test_prewarmed_pool_and_seeded_samples(model_dir):
+    """Rows entering from the pool's TurboQuant slots (prewarmed system prompt),
+    sampled with per-job seeds: the same as alone."""
+    path = model_dir("llama")
+    s = SamplingConfig(temperature=0.9, top_p=0.95, seed=5)
+    items = [make_job(t, max_tokens=12, job_id=f"s{i}", sampling=s) for i, t in enumerate(TEXTS)]
+    items = [make_job(TEXTS[0], max_tokens=12, job_id="greedy")] + items
+    e1, e4 = engine(path, 1, pool=True, prewarm=True), engine(path, 4, pool=True, prewarm=True)
+    for e in (e1, e4):
+        e.prewarm("You are terse.", "test")
+    got, alone = run(e4, [_with_system(j) for j in items]), run(e1, [_with_system(j) for j in items])
+    assert_same_texts(got, alone)
+    assert all(r.usage.cached_tokens > 0 for r in got.values())
+
+
+def _with_system(job):
+    from dataclasses import replace
+
+    return replace(job, messages=({"role": "system", "content": "You are terse."},) + job.messages)
+
+
+def test_rows_hold_codes_not_fp16(model_dir):
+    """The batch's per-token bytes and a job's kv_bytes at 4 bits: at most 0.30x
+    fp16's (codes and scales; the exact sinks, tail and window per row aside)."""
+    path = model_dir("qwen2")
+    e = engine(path, 3)
+    fp16_token, fp16_row = e._kv_bytes_per_token(KVConfig())
+    tq_token, tq_row = e._kv_bytes_per_token(KVConfig(kind="turboquant", bits=4))
+    assert fp16_row == 0 and tq_row > 0
+    assert tq_token <= 0.30 * fp16_token
+    got = run(e, jobs())
+    for r in got.values():
+        tokens = r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.stats.kv_bytes == tokens * tq_token + tq_row
+    # what the layers hold after a run: codes over every column, the per-row exact parts
+    from batchgen.batch import BatchScheduler
+
+    sched = BatchScheduler(e, 3, kv_budget_bytes=1 << 40)
+    list(sched.run(jobs()[:3]))
+    layer = sched.cache[0]
+    assert layer.key_codes.dtype == mx.uint32 and layer.tail_keys.shape[2] == layer.layout.window - 1
+
+
+def test_a_step_that_cannot_be_recorded_steps_unrecorded(model_dir, monkeypatch, caplog):
+    import logging
+
+    import batchgen.compiled_step as cs
+
+    path = model_dir("qwen2")
+    alone = run(engine(path, 1), jobs())
+    real = cs.make_step
+
+    def unrecordable(model, sample_rows, kernel, own_forward=True, kinds=None, compiled=True):
+        step = real(model, sample_rows, kernel, own_forward, kinds, compiled)
+        if not compiled:
+            return step
+
+        def fail(*args):
+            raise ValueError("cannot record this model")
+
+        return fail
+
+    monkeypatch.setattr(cs, "make_step", unrecordable)
+    e = engine(path, 3)
+    with caplog.at_level(logging.INFO, logger="batchgen"):
+        got = run(e, jobs())
+    assert "compiled step unavailable (ValueError: cannot record this model)" in caplog.text
+    assert e.batch_report["step"] == "unrecorded"
+    assert_same_texts(got, alone)
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_step_attention_reads_what_a_cache_alone_reads(bits):
+    """Two rows (3 prompt tokens: sinks still filling; 37: codes, sinks and a
+    full window) placed in a batch layer, stepped 20 times through the window
+    (two flushes into the codes): each row's attention output is its own
+    `TurboQuantKVCache`'s (float32; on CUDA its one-kernel step against the
+    batch's ops, hence the tolerance)."""
+    from batchgen.compiled_step import fit_capacity
+    from batchgen.turboquant import TurboQuantKVCache
+    from batchgen.turboquant_batch import TurboQuantBatchLayer, TurboQuantStepCache
+
+    mx.random.seed(0)
+    H, G, D, steps, lengths = 2, 3, 64, 20, (3, 37)
+    scale = D**-0.5
+    keys = mx.random.normal((2, H, 37 + steps, D))
+    values = mx.random.normal((2, H, 37 + steps, D))
+    queries = mx.random.normal((2, H * G, steps, D))
+    layer, alone = TurboQuantBatchLayer(2), []
+    layer._idx = 40
+    for b, n in enumerate(lengths):
+        c = TurboQuantKVCache(bits, seed=7)
+        c.routed = False  # a prefill without the attention hook
+        c.update_and_fetch(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
+        c.routed = True
+        layer.place(b, c, n, 2)
+        alone.append(c)
+    window = layer.layout.window
+    rk, rv, used = mx.zeros((2, H, window, D)), mx.zeros((2, H, window, D)), 0
+    for t in range(steps):
+        if used == window:
+            fit_capacity([layer])
+            layer.write_window(rk, rv, used)
+            used = 0
+        fit_capacity([layer])
+        meta = mx.array([layer._idx, used, layer.key_codes.shape[2], window], mx.int32)
+        step = TurboQuantStepCache(layer.layout, layer.step_arrays(), rk, rv, meta, layer.left_padding, {})
+        k = mx.stack([keys[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
+        v = mx.stack([values[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
+        step.update_and_fetch(k, v)
+        got = step.attention(queries[:, :, t : t + 1], scale)
+        rk, rv, used = step.rkeys, step.rvalues, used + 1
+        for b, c in enumerate(alone):
+            c.update_and_fetch(k[b : b + 1], v[b : b + 1])
+            want = c.attention(queries[b : b + 1, :, t : t + 1], scale)
+            assert mx.allclose(got[b : b + 1], want, atol=2e-5, rtol=1e-4).item(), (bits, b, t)
+        assert step.offset.tolist() == [n + t for n in lengths]
