@@ -216,12 +216,10 @@ _DECODE_SOURCE = """
 # window rk, rv; the step's own token (kn, vn) at `base + used`, written into
 # the window's slot `used` on the way (rk_out, rv_out: by the first query head
 # of each key head), so that the step writes no big buffer.
-_STEP_PART = """
+WINDOW_PART = """
   const int base = meta[0], used = meta[1], cap = meta[2], W = meta[3];
   const int start = left_padding[b], stop = base + used + 1;
   const size_t row = (size_t)b * HKV + hk;
-  #define KEY(j) ((j) < base ? k + (row * cap + (j)) * D : (j) < base + used ? rk + (row * W + (j) - base) * D : KN)
-  #define VAL(j) ((j) < base ? v + (row * cap + (j)) * D : (j) < base + used ? rv + (row * W + (j) - base) * D : VN)
   if (h % (HQ / HKV) == 0) {
     for (int i = threadIdx.x; i < W * D; i += blockDim.x) {
       const int slot = i / D;
@@ -230,27 +228,33 @@ _STEP_PART = """
       rv_out[at] = slot == used ? VN[i % D] : rv[at];
     }
   }
+"""
+_STEP_PART = WINDOW_PART + """
+  #define KEY(j) ((j) < base ? k + (row * cap + (j)) * D : (j) < base + used ? rk + (row * W + (j) - base) * D : KN)
+  #define VAL(j) ((j) < base ? v + (row * cap + (j)) * D : (j) < base + used ? rv + (row * W + (j) - base) * D : VN)
 """ + _ATTEND_BODY
 
-_STEP_SOURCE = """
+STEP_HEAD = """
   const int bh = blockIdx.x;
   const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
   #define QP (q + (size_t)bh * D)
   #define KN (kn + ((size_t)b * HKV + hk) * D)
   #define VN (vn + ((size_t)b * HKV + hk) * D)
-""" + _STEP_PART
+"""
+_STEP_SOURCE = STEP_HEAD + _STEP_PART
 
 # `step_forward`'s step: q and the new k read from the fused projection after
 # RoPE (`q`: (B, HT, D), HT = HQ + 2 HKV heads: q | k | v, all rotated), the
 # new v from the projection before it (`heads`), so that nothing is sliced
 # (and copied) out of either first.
-_FUSED_STEP_SOURCE = """
+FUSED_STEP_HEAD = """
   const int bh = blockIdx.x;
   const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
   #define QP (q + ((size_t)b * HT + h) * D)
   #define KN (q + ((size_t)b * HT + HQ + hk) * D)
   #define VN (heads + ((size_t)b * HT + HQ + HKV + hk) * D)
-""" + _STEP_PART
+"""
+_FUSED_STEP_SOURCE = FUSED_STEP_HEAD + _STEP_PART
 
 
 def batch_decode_supported(queries, cache) -> bool:
@@ -271,7 +275,7 @@ def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_pad
     positions left_padding[b] .. end - 1 of the buffers k, v (B, Hkv, capacity,
     D); `bounds`: int32 [end, capacity]. queries (B, Hq, 1, D) -> (B, Hq, 1, D)
     in the queries' dtype."""
-    out = _launch("batch_decode_attention", _DECODE_SOURCE, queries, k.shape[1],
+    out = launch("batch_decode_attention", _DECODE_SOURCE, queries, k.shape[1],
                   {"k": k, "v": v, "left_padding": left_padding.astype(mx.int32), "meta": bounds},
                   scale, {})  # fmt: skip
     return out[0]
@@ -286,7 +290,7 @@ def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> m
     rk, rv = cache.rkeys, cache.rvalues
     inputs = {"k": cache.keys, "v": cache.values, "rk": rk, "rv": rv, "kn": k_new, "vn": v_new,
               "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
-    out, cache.rkeys, cache.rvalues = _launch("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1], inputs,
+    out, cache.rkeys, cache.rvalues = launch("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1], inputs,
                                               scale, {"rk_out": rk, "rv_out": rv})  # fmt: skip
     return out
 
@@ -301,7 +305,7 @@ def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, sca
     kv_heads = rk.shape[1]
     inputs = {"heads": heads, "k": cache.keys, "v": cache.values, "rk": rk, "rv": rv,
               "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
-    out, cache.rkeys, cache.rvalues = _launch("fused_step_attention", _FUSED_STEP_SOURCE, roped, kv_heads, inputs,
+    out, cache.rkeys, cache.rvalues = launch("fused_step_attention", _FUSED_STEP_SOURCE, roped, kv_heads, inputs,
                                               scale, {"rk_out": rk, "rv_out": rv},
                                               q_heads=roped.shape[1] - 2 * kv_heads, flat=True)  # fmt: skip
     return out
@@ -310,17 +314,20 @@ def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, sca
 _kernels: dict = {}
 
 
-def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
-            also: dict, q_heads: int | None = None, flat: bool = False) -> list:  # fmt: skip
+def launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
+           also: dict, q_heads: int | None = None, flat: bool = False, template: tuple = (),
+           header: str = "") -> list:  # fmt: skip
     """Run kernel `name` over q + `inputs` + scale: out (B, q_heads, 1, D) in
     the queries' dtype (the kernel rounds its float32 sums on the way out, which
     saves each layer of a step a cast of its own), then each output named in
     `also`, shaped like its array there. `q_heads`: the query heads, where
     `queries` holds more heads than that (HT: all of them). `flat`: out as
-    (B, q_heads * D), the same memory (the output projection's input)."""
+    (B, q_heads * D), the same memory (the output projection's input).
+    `template`: constants besides the shapes; `header`: device functions."""
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
             name=name, input_names=["q", *inputs, "scale"], output_names=["out", *also], source=source,
+            header=header,
         )  # fmt: skip
     B, all_heads, _, d = queries.shape
     n_heads = q_heads or all_heads
@@ -329,7 +336,7 @@ def _launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: di
     return _kernels[name](
         inputs=[queries, *inputs.values(), scale_arr],
         template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", _DECODE_WARPS),
-                  ("UNROLL", _DECODE_UNROLL)],  # fmt: skip
+                  ("UNROLL", _DECODE_UNROLL), *template],  # fmt: skip
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads * d) if flat else (B, n_heads, 1, d)] + [a.shape for a in also.values()],

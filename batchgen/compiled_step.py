@@ -90,6 +90,12 @@ class StepCache:
         `_kernel_takes` over them and the buffers."""
         return self.kernel and _kernel_takes(*new, self.keys, self.values, self.rkeys, self.rvalues)
 
+    def fused_attention(self, roped: mx.array, heads: mx.array, scale: float) -> mx.array:
+        """`step_forward`'s attention through the step kernel (`takes_kernel`): (B, Hq * D)."""
+        from .attention import fused_step_attention  # it imports this module
+
+        return fused_step_attention(roped, heads, self, scale)
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(B, 1, 1, capacity + WINDOW): the big buffers' columns, then the window's."""
         if window_size is not None:
@@ -147,7 +153,7 @@ def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, 
         return StepCache(*arrays, rkeys, rvalues, meta, left_padding, kernel)
     from .turboquant_batch import TurboQuantStepCache
 
-    return TurboQuantStepCache(kind[1], arrays, rkeys, rvalues, meta, left_padding, shared)
+    return TurboQuantStepCache(kind[1], arrays, rkeys, rvalues, meta, left_padding, shared, kernel)
 
 
 def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True, kinds: tuple | None = None,

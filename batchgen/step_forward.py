@@ -16,7 +16,8 @@ token per row none of that is needed:
   v's rotation is computed and never read, which costs less than slicing q and
   k out (a strided slice is copied before a kernel reads it);
 - attention (CUDA) reads q and the new k from that, the new v from the
-  unrotated projection (`attention.fused_step_attention`).
+  unrotated projection (`attention.fused_step_attention`, or TurboQuant's
+  `turboquant_batch.STEP_SOURCE`).
 
 14 primitives a layer, 11 of them kernels (0.5B shape: 349 a step against 858).
 The ops are the model's own, in its order, on the same weights: on the CPU the
@@ -37,7 +38,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from .attention import fused_step_attention
 
 log = logging.getLogger("batchgen")
 
@@ -144,7 +144,7 @@ class StepForward:
             heads = _proj(x, w.qkv_t, w.qkv_bias).reshape(B, hq + 2 * hkv, 1, d)
             roped = self.rope(heads if w.qk_norms is None else self._qk_normed(heads, w.qk_norms), offset=offset)
             if kernel and cache.takes_kernel(heads):
-                out = fused_step_attention(roped, heads, cache, self.scale)  # (B, Hq * D)
+                out = cache.fused_attention(roped, heads, self.scale)  # (B, Hq * D)
             else:
                 keys, values = cache.update_and_fetch(roped[:, hq : hq + hkv], heads[:, hq + hkv :])
                 if hasattr(cache, "attention"):  # TurboQuant's batch layer attends from its codes

@@ -6,8 +6,8 @@ Rows of `context` tokens (one prefilled TurboQuant cache placed in every row)
 step through the compiled step as the scheduler runs it (window flushed into
 the codes when full); beside it, fp16 rows of the same lengths (`batch_step`).
 Reports ms a step (pipelined, as the scheduler queues them), the step's
-primitives by kind, ms a step with the coded attention's fused kernels off
-(ops path), and ms of one layer's attention alone (evaluated each call: the
+primitives by kind, ms a step with the attention as ops (the step kernel
+off), and ms of one layer's ops attention alone (evaluated each call: the
 GPU's time plus one launch chain).
 """
 
@@ -102,10 +102,8 @@ def main() -> None:
         cache = turboquant_rows(model, rows, a.context, a.bits)
         r["turboquant_primitives"] = step_primitives(model, cache, rows)
         r["turboquant_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
-        turboquant.FUSED_KERNELS = False
-        CompiledStepsOnce.reset()
-        r["turboquant_ops_path_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
-        turboquant.FUSED_KERNELS = True
+        CompiledStepsOnce.reset(kernel=False)
+        r["turboquant_ops_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
         CompiledStepsOnce.reset()
         r["attention_one_layer_ms"] = attention_ms(cache[0], n_heads)
         r["turboquant_bytes_per_row"] = sum(layer.nbytes for layer in cache) // rows
@@ -127,16 +125,17 @@ class CompiledStepsOnce:
     """One stepper per setting (recorded anew after `reset`)."""
 
     stepper = None
+    kernel = True
 
     @classmethod
     def step(cls, model, cache, y):
         if cls.stepper is None:
-            cls.stepper = CompiledSteps(model, cuda_available(), {}, True)
+            cls.stepper = CompiledSteps(model, cls.kernel and cuda_available(), {}, True)
         return cls.stepper(cache, y, sample=False)[0].astype(mx.uint32)
 
     @classmethod
-    def reset(cls):
-        cls.stepper = None
+    def reset(cls, kernel: bool = True):
+        cls.stepper, cls.kernel = None, kernel
 
 
 if __name__ == "__main__":

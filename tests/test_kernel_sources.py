@@ -92,3 +92,25 @@ def test_batch_attention_kernels_compile(tmp_path, dtype):
     compiles(tmp_path, wrapped("s", "", A._STEP_SOURCE, step, step_out, template))
     compiles(tmp_path, wrapped("f", "", A._FUSED_STEP_SOURCE, fused, step_out, template))
     compiles(tmp_path, wrapped("d", "", A._DECODE_SOURCE, decode, [("out", dtype)], template))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("dim,bits", [(64, 4), (128, 3)])
+def test_turboquant_batch_step_kernels_compile(tmp_path, dtype, dim, bits):
+    from batchgen import attention as A
+    from batchgen import turboquant_batch as T
+    from batchgen.turboquant import resolve_bits
+
+    layout = T.Layout(*resolve_bits(bits), 4, 8, 0, dim, dim, mx.bfloat16)
+    assert T.kernel_fits(layout)
+    template = [("D", dim), ("HQ", 14), ("HKV", 2), ("HT", 18), ("WARPS", A._DECODE_WARPS),
+                ("UNROLL", A._DECODE_UNROLL), *T.kernel_template(layout)]  # fmt: skip
+    rows = [(n, dtype) for n in ("sk", "sv", "tk", "tv")]
+    coded = [("kcode", "u32"), ("knorm", "f16"), ("vcode", "u32"), ("vnorm", "f16")]
+    fixed = [(n, dtype) for n in ("rk", "rv")] + [("tabs", "f32"), ("signs", "f32"), ("left_padding", "i32"),
+                                                   ("meta", "i32"), ("scale", "f32")]  # fmt: skip
+    outs = [(n, dtype) for n in ("out", "rk_out", "rv_out")]
+    plain = [("q", dtype), ("kn", dtype), ("vn", dtype)] + rows + coded + fixed
+    fused = [("q", dtype), ("heads", dtype)] + rows + coded + fixed
+    compiles(tmp_path, wrapped("t", T.STEP_HEADER, A.STEP_HEAD + T.STEP_SOURCE, plain, outs, template))
+    compiles(tmp_path, wrapped("tf", T.STEP_HEADER, A.FUSED_STEP_HEAD + T.STEP_SOURCE, fused, outs, template))

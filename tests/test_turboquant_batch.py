@@ -7,8 +7,12 @@ import pytest
 from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine import Engine
 
+from batchgen.turboquant_kernels import available as cuda_available
+
 from test_batch import TEXTS, jobs
 from test_engine import make_job
+
+needs_cuda = pytest.mark.skipif(not cuda_available(), reason="needs MLX with a CUDA GPU")
 
 
 def engine(path, batch_size, bits=4, pool=False, prewarm=False, compiled=True):
@@ -142,13 +146,16 @@ def test_a_step_that_cannot_be_recorded_steps_unrecorded(model_dir, monkeypatch,
     assert_same_texts(got, alone)
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_cuda)])
 @pytest.mark.parametrize("bits", [4, 3])
-def test_step_attention_reads_what_a_cache_alone_reads(bits):
+def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel):
     """Two rows (3 prompt tokens: sinks still filling; 37: codes, sinks and a
     full window) placed in a batch layer, stepped 20 times through the window
     (two flushes into the codes): each row's attention output is its own
-    `TurboQuantKVCache`'s (float32; on CUDA its one-kernel step against the
-    batch's ops, hence the tolerance)."""
+    `TurboQuantKVCache`'s (float32; on CUDA the cache alone takes its own
+    one-kernel step, hence the tolerance). `kernel`: the batch's step kernel,
+    fed the token as from the model's attention and as from `step_forward`'s
+    fused projection, else its ops."""
     from batchgen.compiled_step import fit_capacity
     from batchgen.turboquant import TurboQuantKVCache
     from batchgen.turboquant_batch import TurboQuantBatchLayer, TurboQuantStepCache
@@ -177,11 +184,21 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits):
             used = 0
         fit_capacity([layer])
         meta = mx.array([layer._idx, used, layer.key_codes.shape[2], window], mx.int32)
-        step = TurboQuantStepCache(layer.layout, layer.step_arrays(), rk, rv, meta, layer.left_padding, {})
+        args = (layer.layout, layer.step_arrays(), rk, rv, meta, layer.left_padding, {}, kernel)
+        step = TurboQuantStepCache(*args)
         k = mx.stack([keys[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
         v = mx.stack([values[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
+        q = queries[:, :, t : t + 1]
         step.update_and_fetch(k, v)
-        got = step.attention(queries[:, :, t : t + 1], scale)
+        assert (step.new is not None) == kernel
+        got = step.attention(q, scale)
+        if kernel:
+            fused = TurboQuantStepCache(*args)
+            heads = mx.concatenate([q, k, v], axis=1)
+            assert fused.takes_kernel(heads)
+            fused_out = fused.fused_attention(heads, heads, scale)
+            assert mx.array_equal(fused_out, got.reshape(fused_out.shape)).item()
+            assert mx.array_equal(fused.rkeys, step.rkeys).item() and mx.array_equal(fused.rvalues, step.rvalues).item()
         rk, rv, used = step.rkeys, step.rvalues, used + 1
         for b, c in enumerate(alone):
             c.update_and_fetch(k[b : b + 1], v[b : b + 1])
