@@ -33,6 +33,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .step_forward import make_step_forward
+
 CAPACITY_STEP = 256  # positions: the big buffers grow (and the step is recorded anew) in these
 WINDOW = 32  # positions of the recent window: the big buffers are written once per this many steps
 
@@ -151,7 +153,7 @@ def buffers(c) -> tuple[str, ...]:
 def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, shared: dict):
     if kind == "fp16":
         return StepCache(*arrays, rkeys, rvalues, meta, left_padding, kernel)
-    from .turboquant_batch import TurboQuantStepCache
+    from .turboquant_batch import TurboQuantStepCache  # it imports `attention`, which imports this module
 
     return TurboQuantStepCache(kind[1], arrays, rkeys, rvalues, meta, left_padding, shared, kernel)
 
@@ -167,8 +169,6 @@ def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True, 
     through `step_forward` where it covers the model (a third of the
     primitives), else the model's own layers. `kinds`: each layer's
     `layer_kind` (None: fp16). `compiled`: False runs the same step unrecorded."""
-    from .step_forward import make_step_forward  # it imports `attention`, which imports this module
-
     forward = make_step_forward(model) if own_forward else None
 
     def step(inputs, layers, rkeys, rvalues, meta, left_padding):
