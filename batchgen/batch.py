@@ -110,7 +110,7 @@ def kv_bytes_per_token(cache: list) -> tuple[int, int]:
 
 
 def _map_buffers(c, fn, names: tuple[str, ...] = ()) -> None:
-    """Replace a batch layer's column buffers (and `names`) a by fn(a)."""
+    """Replace each of a batch layer's column buffers (and `names`), a, with fn(a)."""
     for name in buffers(c) + names:
         a = getattr(c, name)
         if a is not None:
