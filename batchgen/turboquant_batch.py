@@ -20,10 +20,9 @@ codes come from the big buffers alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
-
-from functools import lru_cache
 
 from .attention import FUSED_STEP_HEAD, STEP_HEAD, WINDOW_PART, launch
 from .compiled_step import kernel_head_size
@@ -47,7 +46,9 @@ class Layout:
 
     @classmethod
     def of(cls, c: TurboQuantKVCache) -> "Layout":
-        return cls(c.key_bits, c.value_bits, c.sink_tokens, max(c.window, 1), c.seed, c.key_dim, c.value_dim, c.dtype)
+        if c.window < 1:  # every position from codes, the query's own too: not a layout the step reads
+            raise ValueError(f"TurboQuant rows need a window of 1 or more, got {c.window}")
+        return cls(c.key_bits, c.value_bits, c.sink_tokens, c.window, c.seed, c.key_dim, c.value_dim, c.dtype)
 
     @property
     def tail(self) -> int:
