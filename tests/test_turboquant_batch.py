@@ -146,16 +146,18 @@ def test_a_step_that_cannot_be_recorded_steps_unrecorded(model_dir, monkeypatch,
     assert_same_texts(got, alone)
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_cuda)])
+@pytest.mark.parametrize("kernel,trimmed", [(False, False), (False, True), pytest.param(True, False, marks=needs_cuda)])
 @pytest.mark.parametrize("bits", [4, 3])
-def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel):
+def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
     """Two rows (3 prompt tokens: sinks still filling; 37: codes, sinks and a
     full window) placed in a batch layer, stepped 20 times through the window
     (two flushes into the codes): each row's attention output is its own
     `TurboQuantKVCache`'s (float32; on CUDA the cache alone takes its own
     one-kernel step, hence the tolerance). `kernel`: the batch's step kernel,
     fed the token as from the model's attention and as from `step_forward`'s
-    fused projection, else its ops."""
+    fused projection, else its ops. `trimmed`: the long row's cache was cut
+    back 20 positions (as a pool hit is), its exact copies of the window's
+    older positions gone: alone it reads their codes, in the batch its tail."""
     from batchgen.compiled_step import fit_capacity
     from batchgen.turboquant import TurboQuantKVCache
     from batchgen.turboquant_batch import TurboQuantBatchLayer, TurboQuantStepCache
@@ -171,7 +173,10 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel):
     for b, n in enumerate(lengths):
         c = TurboQuantKVCache(bits, seed=7)
         c.routed = False  # a prefill without the attention hook
-        c.update_and_fetch(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
+        extra = 20 if trimmed and n > 3 else 0
+        c.update_and_fetch(keys[b : b + 1, :, : n + extra], values[b : b + 1, :, : n + extra])
+        c.trim(extra)
+        assert (c.recent_keys is None) == bool(extra)
         c.routed = True
         layer.place(b, c, n, 2)
         alone.append(c)
