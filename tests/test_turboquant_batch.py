@@ -210,3 +210,43 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
             want = c.attention(queries[b : b + 1, :, t : t + 1], scale)
             assert mx.allclose(got[b : b + 1], want, atol=2e-5, rtol=1e-4).item(), (bits, b, t)
         assert step.offset.tolist() == [n + t for n in lengths]
+
+
+def test_failing_job_fails_alone(model_dir):
+    path = model_dir("qwen2", max_position_embeddings=40)
+    items = jobs()
+    items.insert(2, make_job("long " * 60, max_tokens=5, job_id="too-long"))
+    alone, got = run(engine(path, 1), items), run(engine(path, 3), items)
+    assert got["too-long"].error.type == "prompt_too_long"
+    assert {i for i, r in got.items() if not r.ok} == {i for i, r in alone.items() if not r.ok}
+    ok = {i for i, r in alone.items() if r.ok}
+    assert len(ok) >= 3
+    assert_same_texts({i: got[i] for i in ok}, {i: alone[i] for i in ok})
+
+
+@pytest.mark.parametrize("short", [0, 1])
+def test_budget_counts_codes_and_exact_parts(model_dir, short):
+    """A budget of the step's buffers for all four rows of the longest job in
+    TurboQuant's bytes (codes a position, the exact parts a row) runs rows
+    together, where fp16 bytes would allow one at a time; a byte less, one at
+    a time."""
+    from batchgen.batch import BatchScheduler
+    from batchgen.compiled_step import held_positions
+
+    path = model_dir("qwen2")
+    e = engine(path, 4)
+    longest = max(len(e.prompt_tokens(j)) + j.max_tokens for j in jobs())
+    per_token, per_row = e._kv_bytes_per_token(KVConfig(kind="turboquant", bits=4))
+    budget = 4 * (held_positions(longest) * per_token + per_row) - short
+    assert budget < 4 * held_positions(longest) * e._kv_bytes_per_token()[0]
+    sched = BatchScheduler(e, 4, kv_budget_bytes=budget)
+    live = []
+    real_read = sched._read
+
+    def spy(step):
+        live.append(sched.live)
+        return real_read(step)
+
+    sched._read = spy
+    assert_same_texts({r.id: r for r in sched.run(jobs())}, run(engine(path, 1), jobs()))
+    assert max(live) == (1 if short else 4)
