@@ -89,8 +89,8 @@ class StepCache:
     def takes_kernel(self, *new) -> bool:
         """Whether the step kernel serves this layer, fed `new` (the step's keys
         and values, or the projection they come from): the hook on (CUDA) and
-        `_kernel_takes` over them and the buffers."""
-        return self.kernel and _kernel_takes(*new, self.keys, self.values, self.rkeys, self.rvalues)
+        `kernel_takes` over them and the buffers."""
+        return self.kernel and kernel_takes(*new, self.keys, self.values, self.rkeys, self.rvalues)
 
     def fused_attention(self, roped: mx.array, heads: mx.array, scale: float) -> mx.array:
         """`step_forward`'s attention through the step kernel (`takes_kernel`): (B, Hq * D)."""
@@ -128,9 +128,9 @@ def kernel_head_size(*arrays) -> bool:
     return all(a.shape[-1] == d for a in arrays) and d % 32 == 0 and d <= 256
 
 
-def _kernel_takes(*arrays) -> bool:
-    """The step kernel's needs: one dtype (it picks each position's pointer
-    from three buffers) and `kernel_head_size`."""
+def kernel_takes(*arrays) -> bool:
+    """A step kernel's needs: one dtype (it picks each position's pointer
+    from several buffers) and `kernel_head_size`."""
     return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
 
 

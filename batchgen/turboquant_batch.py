@@ -25,7 +25,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .attention import FUSED_STEP_HEAD, STEP_HEAD, WINDOW_PART, launch
-from .compiled_step import kernel_head_size
+from .compiled_step import kernel_takes
 from .turboquant import (CodedHistory, TurboQuantKVCache, _codebook_arrays, _encode, dequantize, packed_words,
                          rotation)
 from .turboquant_kernels import _UNPACK
@@ -224,7 +224,7 @@ class TurboQuantStepCache:
         """Whether `step_kernel` serves this layer (CUDA, `kernel` on), fed `new`
         (the step's keys and values, or the projection they come from)."""
         exact = (*new, self.sink_keys, self.sink_values, self.tail_keys, self.tail_values, self.rkeys, self.rvalues)
-        return self.kernel and kernel_fits(self.layout) and len({a.dtype for a in exact}) == 1 and kernel_head_size(*exact)
+        return self.kernel and kernel_fits(self.layout) and kernel_takes(*exact)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None  # `attention` applies the reading rule itself
