@@ -247,8 +247,7 @@ class CompiledSteps:
         fit_capacity(cache, self.min_capacity)
         self._ready(cache, window)
         kinds = tuple(layer_kind(c) for c in cache)
-        key = (sample, self.kernel, self.own_forward, kinds if kinds.count("fp16") != len(kinds) else "fp16",
-               self.compiled)  # fmt: skip
+        key = (sample, self.kernel, self.own_forward, kinds, self.compiled)
         if key not in self.recorded:
             self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel,
                                            own_forward=self.own_forward, kinds=kinds, compiled=self.compiled)  # fmt: skip
