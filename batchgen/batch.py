@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -41,11 +42,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import mark_cache
+from .batch_pld import BatchDraftPolicy, accepted_prefix, cut_rejected, verify_inputs
 from .compiled_step import CompiledSteps, buffers, held_positions
 from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
                      pick_first)
 from .entering import start_prompts
 from .jobs import BadJob, Job
+from .pld import NgramIndex
 from .sampling import job_seed, make_keys, pick
 from .stats import JobStats, Result, Timer
 from .turboquant import TurboQuantKVCache
@@ -138,6 +141,19 @@ class Row:
     live_from_step: int = 0  # this row's tokens from earlier steps were someone else's
     first_token_s: float | None = None
     done: bool = False
+    index: NgramIndex | None = None  # prompt + generated tokens, where the job drafts (greedy, PLD)
+    lookup: int = 0  # draft tokens at most
+
+    def add(self, token: int) -> bool:
+        """Hand the job a generated token; True once it is finished."""
+        if self.index is not None:
+            self.index.extend([token])
+        return self.text.add(token)
+
+    @property
+    def next_input(self) -> int:
+        """The token the cache lacks, fed next: entering, or read back since."""
+        return self.text.token_ids[-1] if self.pending_input is None else self.pending_input
 
 
 @dataclass
@@ -179,6 +195,13 @@ class BatchScheduler:
         self.compiled = engine.config.compiled_batch_step
         kernel = engine.short_attention and cuda_available()
         self.stepper = CompiledSteps(self.model, kernel, engine.batch_steps, engine.config.batch_step_forward)
+        # Prompt lookup over fp16 rows (`batch_pld`): verify passes of `width` positions a row.
+        d = engine.config.decode
+        self.drafts = None
+        if d.draft == "pld" and d.pld_max_lookup > 0 and not self.turbo:
+            self.drafts = BatchDraftPolicy(adaptive=d.pld_adaptive)
+            self.report.update(verify_passes=0, drafted=0, accepted=0)
+        self.width = d.pld_max_lookup + 1 if self.drafts else 1
 
     @staticmethod
     def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256,
@@ -200,7 +223,7 @@ class BatchScheduler:
         if self.live == 0 and not entering:
             return True  # a job that alone exceeds the budget still runs, alone
         # every row's buffers are as long as the longest row's, rounded up as the step holds them
-        row_bytes = held_positions(self._worst_len(entering + [row])) * self.per_token + self.per_row
+        row_bytes = held_positions(self._worst_len(entering + [row]) + self.width - 1) * self.per_token + self.per_row
         return self.B * row_bytes <= self.budget
 
     def _row(self, job: Job) -> Row:
@@ -209,14 +232,17 @@ class BatchScheduler:
         timer = Timer()
         tokens = e.checked_tokens(job)
         plan = e.plan(job)
-        if (plan.decode.draft == "pld" or plan.kv != self.kv) and not self.logged_overrides:
-            log.info(f"batched decoding: jobs run with plain decoding over the batch's {self.kv.kind} KV cache "
-                     "(PLD, and a job's own cache kind, are the batch-size-1 path)")  # fmt: skip
+        drafts = plan.decode.draft == "pld" and job.sampling.greedy and plan.decode.pld_max_lookup > 0
+        if ((drafts and self.drafts is None) or plan.kv != self.kv) and not self.logged_overrides:
+            log.info(f"batched decoding: jobs run over the batch's {self.kv.kind} KV cache"
+                     + (" with plain decoding (PLD in a batch takes fp16 rows)" if self.turbo else ""))  # fmt: skip
             self.logged_overrides = True
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
-        stats = JobStats(draft="none", kv_cache=self.kv.kind)
-        return Row(job, tokens, 0, text, keys, stats, timer, queued=1)
+        index = NgramIndex(tokens, plan.decode.pld_ngram_size) if drafts and self.drafts else None
+        stats = JobStats(draft="pld" if index else "none", kv_cache=self.kv.kind)
+        lookup = min(plan.decode.pld_max_lookup, self.width - 1)
+        return Row(job, tokens, 0, text, keys, stats, timer, queued=1, index=index, lookup=lookup)
 
     def _start(self, rows: list[Row]) -> tuple[list[Row], list[Result]]:
         """Prefill entering rows (together where they share a cached prefix) and
@@ -242,7 +268,7 @@ class BatchScheduler:
                 firsts.append(pick_first(logits, row.job.sampling, row.keys, row.stats))
         values = mx.concatenate(firsts).tolist() if firsts else []
         for row in (r for r in started if r.pending_input is None):
-            row.done = row.text.add(values.pop(0))
+            row.done = row.add(values.pop(0))
             row.first_token_s = row.timer.elapsed_s
         self.report["prompt_s"] += timer.elapsed_s
         self.report["jobs_started"] += len(rows)
@@ -371,6 +397,59 @@ class BatchScheduler:
         self.report["steps"] += 1
         return step
 
+    def _verify(self) -> Iterator[Result]:
+        """One verify pass over every row (`batch_pld`), if the rows' drafts
+        make it pay; yields the jobs that finished, returns whether it ran.
+        Every queued step must have been read back (drafts need the tokens)."""
+        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
+        drafts = [[] for _ in self.rows]
+        for i, row in live:
+            if row.index is not None:
+                drafts[i] = row.index.draft(min(row.lookup, row.text.remaining - 1))
+        drafted = sum(map(len, drafts))
+        if not self.drafts.worth(len(live), drafted):
+            return False
+        start = time.perf_counter()
+        self.stepper.flush(self.cache)  # the pass writes at the big buffers' write position
+        firsts = [0 if r is None else r.next_input for r in self.rows]
+        inputs = mx.array(verify_inputs(firsts, drafts, self.width), mx.uint32)
+        for c in self.cache:  # the offsets the model reads (the compiled step derives its own)
+            c.offset = c._idx - c.left_padding
+        logits = self.model(inputs, cache=self.cache)  # (B, width, vocab)
+        targets = mx.argmax(logits, axis=-1)
+        for i, row in live:
+            if not row.job.sampling.greedy:  # no draft: its first position, its own key
+                key = row.keys[min(row.queued, row.keys.shape[0] - 1)]
+                targets = mx.where((mx.arange(self.B) == i)[:, None], pick(logits[i : i + 1, 0], row.job.sampling, key)[:, None],
+                                   targets)  # fmt: skip
+        values = targets.tolist()
+        kept = [accepted_prefix(d, v) for d, v in zip(drafts, values)]
+        cut_rejected(self.cache, [self.width - 1 - n if r else 0 for n, r in zip(kept, self.rows)])
+        accepted = 0
+        for i, row in live:
+            self.pads[i] += self.width - 1 - kept[i]
+            row.pending_input, row.first_token_s = None, row.first_token_s or row.timer.elapsed_s
+            row.stats.forward_passes += 1
+            row.stats.pld_drafted += len(drafts[i])
+            row.stats.pld_accepted += kept[i]
+            accepted += kept[i]
+            out = drafts[i][: kept[i]] + [values[i][kept[i]]]
+            row.queued += len(out)
+            if any(row.add(t) for t in out):  # stops at the token that finishes it
+                row.done = True
+                self.rows[i] = None
+                yield self._finish(row)
+            else:
+                row.pending_input = out[-1]
+        self._gather = None
+        self.step += 1
+        self.report["steps"] += 1
+        self.report["verify_passes"] += 1
+        self.report["drafted"] += drafted
+        self.report["accepted"] += accepted
+        self.drafts.verified(time.perf_counter() - start, drafted, accepted)
+        return True
+
     def _read(self, step: _Step) -> list[Result]:
         """Hand each live row its token; return the jobs that finished."""
         values = step.tokens.tolist()
@@ -380,7 +459,7 @@ class BatchScheduler:
                 continue
             if row.first_token_s is None:
                 row.first_token_s = row.timer.elapsed_s
-            if row.text.add(values[i]):
+            if row.add(values[i]):
                 row.done = True
                 done.append(self._finish(row))
                 self.rows[self.rows.index(row)] = None
@@ -448,10 +527,28 @@ class BatchScheduler:
             yield from self._admit(waiting, source)
             prev = None
             while self.live or prev is not None:
+                if self.drafts is not None and self.live and self.drafts.look_now():
+                    if prev is not None:  # drafts need every row's latest token
+                        yield from self._read(prev)
+                        prev = None
+                        for row in self.rows:  # the next pass or step feeds it
+                            if row is not None:
+                                row.pending_input = row.next_input
+                    if self.live and (yield from self._verify()):
+                        yield from self._admit(waiting, source)
+                        self._compact()
+                        self._shrink()
+                        continue
+                    yield from self._admit(waiting, source)
+                    if not self.live:
+                        continue
                 # queue the next step before reading the current one back
+                start = time.perf_counter()
                 cur = self._queue_step(prev) if self.live else None
                 if prev is not None:
                     yield from self._read(prev)
+                    if self.drafts is not None:  # a pipelined step's seconds, admission aside
+                        self.drafts.stepped(time.perf_counter() - start if cur is not None else None)
                     yield from self._admit(waiting, source)
                 prev = cur
                 if self.step % _COMPACT_EVERY == 0:

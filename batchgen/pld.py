@@ -149,7 +149,9 @@ class NgramIndex:
 
 
 @dataclass
-class _Ema:
+class Ema:
+    """An exponential moving average (None until the first value)."""
+
     value: float | None = None
     weight: float = 0.2
 
@@ -170,9 +172,9 @@ class DraftPolicy:
     what a verify would have yielded and turns drafting back on when it pays.
     """
 
-    plain_token_s: _Ema = field(default_factory=_Ema)
-    verify_pass_s: _Ema = field(default_factory=_Ema)
-    tokens_per_pass: _Ema = field(default_factory=lambda: _Ema(weight=0.05))
+    plain_token_s: Ema = field(default_factory=Ema)
+    verify_pass_s: Ema = field(default_factory=Ema)
+    tokens_per_pass: Ema = field(default_factory=lambda: Ema(weight=0.05))
     adaptive: bool = True  # False: verify every draft found
     calibrated: bool = False
     margin: float = 1.05
