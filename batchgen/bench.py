@@ -416,9 +416,11 @@ def _repeat_jobs(jobs: list[Job], n: int) -> list[Job]:
     return [Job(**{**jobs[i % len(jobs)].__dict__, "id": f"{jobs[i % len(jobs)].id}#{i}"}) for i in range(n)]
 
 
-def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_jobs: int = 32, log=print) -> dict:
+def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_jobs: int = 32, log=print,
+                   drafts: list[str] | None = None) -> dict:  # fmt: skip
     """`batch_sizes`: ints, or "auto" (the engine's KV-budget sizing; mlx-lm
-    gets the same number of rows)."""
+    gets the same number of rows). `drafts`: batchgen's runs at each size, one
+    per draft kind (default: the configured one), beside one `batch_generate` run."""
     from mlx_lm.generate import batch_generate
 
     from .engine import device_name
@@ -429,8 +431,8 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
     prompts = [engine.prompt_tokens(j) for j in jobs]
     max_tokens = [j.max_tokens for j in jobs]
 
-    def ours(b: int, subset: list[Job]):
-        engine.config = replace(engine.config, batch_size=b)
+    def ours(b: int, subset: list[Job], draft: str):
+        engine.config = replace(engine.config, batch_size=b, decode=replace(engine.config.decode, draft=draft))
         if engine.pool is not None:  # every run from the same pool: nothing cached by an earlier one
             engine.pool.forget()
         mx.reset_peak_memory()
@@ -456,28 +458,14 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
             b = engine.resolve_batch_size(len(jobs))
         n = len(jobs) if b > 1 else min(sequential_jobs, len(jobs))
         plain(b, min(b, n))  # warm-up at this batch size, both sides
-        ours(b, jobs[: min(b, n)])
         p_wall, p_texts, p_tokens, p_mem = plain(b, n)
-        o_wall, o_results, o_mem = ours(b, jobs[:n])
-        # batch_generate's token ids leave out the EOS that ended a sequence
-        o_tokens = sum(r.usage.completion_tokens - (r.finish_reason == "stop") for r in o_results)
-        by_id = {r.id: r.text or "" for r in o_results}
-        same = sum(by_id.get(j.id, "").strip() == t.strip() for j, t in zip(jobs[:n], p_texts))
-        row = {
-            "batch_size": b, "requested": size, "jobs": n,
-            "mlx_lm_batch_generate": {"wall_s": p_wall, "tokens_per_s": p_tokens / p_wall, "peak_memory_gb": p_mem},
-            "batchgen": {"wall_s": o_wall, "tokens_per_s": o_tokens / o_wall, "completion_tokens": o_tokens,
-                         "cached_tokens": sum(r.usage.cached_tokens for r in o_results),
-                         "peak_memory_gb": o_mem, **(engine.batch_report if b > 1 else {})},
-            "ratio_tokens_per_s": (o_tokens / o_wall) / (p_tokens / p_wall) if p_tokens else None,
-            "identical_outputs": same,
-        }  # fmt: skip
-        rows.append(row)
-        log(f"batch {b:3d} ({n} jobs): batch_generate {row['mlx_lm_batch_generate']['tokens_per_s']:8.1f} tok/s, "
-            f"batchgen {row['batchgen']['tokens_per_s']:8.1f} tok/s ({row['ratio_tokens_per_s']:.2f}x), "
-            f"identical {same}/{n}, peak {p_mem:.2f}/{o_mem:.2f} GB")  # fmt: skip
-    seq = next((r for r in rows if r["batch_size"] == 1), None)
+        for draft in drafts or [cfg.engine.decode.draft]:
+            ours(b, jobs[: min(b, n)], draft)
+            run = ours(b, jobs[:n], draft)
+            row = _throughput_row(b, n, run, (p_wall, p_tokens, p_mem), list(zip(jobs[:n], p_texts)), log)
+            rows.append({**row, "requested": size, "draft": draft, "batchgen": {**row["batchgen"], **(engine.batch_report if b > 1 else {})}})
     for r in rows:
+        seq = next((s for s in rows if s["batch_size"] == 1 and s["draft"] == r["draft"]), None)
         if seq:
             r["batchgen_over_batchgen_sequential"] = r["batchgen"]["tokens_per_s"] / seq["batchgen"]["tokens_per_s"]
     return {
@@ -486,3 +474,27 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
         "dtype": weights_dtype(engine.model),
         "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic", "rows": rows,
     }  # fmt: skip
+
+
+def _throughput_row(b: int, n: int, ours: tuple, plain: tuple, pairs: list, log) -> dict:
+    """One batchgen run (wall, results, peak) at batch size b against the
+    `batch_generate` run (wall, tokens, peak) on the same n prompts (`pairs`:
+    each job and its plain text)."""
+    (o_wall, o_results, o_mem), (p_wall, p_tokens, p_mem) = ours, plain
+    # batch_generate's token ids leave out the EOS that ended a sequence
+    o_tokens = sum(r.usage.completion_tokens - (r.finish_reason == "stop") for r in o_results)
+    by_id = {r.id: r.text or "" for r in o_results}
+    same = sum(by_id.get(j.id, "").strip() == t.strip() for j, t in pairs)
+    row = {
+        "batch_size": b, "jobs": n,
+        "mlx_lm_batch_generate": {"wall_s": p_wall, "tokens_per_s": p_tokens / p_wall, "peak_memory_gb": p_mem},
+        "batchgen": {"wall_s": o_wall, "tokens_per_s": o_tokens / o_wall, "completion_tokens": o_tokens,
+                     "cached_tokens": sum(r.usage.cached_tokens for r in o_results),
+                     "pld_drafted": sum(r.stats.pld_drafted for r in o_results),
+                     "pld_accepted": sum(r.stats.pld_accepted for r in o_results), "peak_memory_gb": o_mem},
+        "ratio_tokens_per_s": (o_tokens / o_wall) / (p_tokens / p_wall) if p_tokens else None,
+        "identical_outputs": same,
+    }  # fmt: skip
+    log(f"batch {b:3d} ({n} jobs): batch_generate {p_tokens / p_wall:8.1f} tok/s, batchgen {o_tokens / o_wall:8.1f} "
+        f"tok/s ({row['ratio_tokens_per_s']:.2f}x), identical {same}/{n}, peak {p_mem:.2f}/{o_mem:.2f} GB")  # fmt: skip
+    return row

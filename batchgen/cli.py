@@ -219,9 +219,11 @@ def validate(jobs, max_tokens):
 @click.option("--throughput", "batch_sizes", default=None,
               help="Comma-separated batch sizes: whole-file throughput against mlx-lm's batch_generate.")
 @click.option("--jobs-total", type=click.IntRange(min=1), default=256, show_default=True, help="With --throughput: jobs, cycling JOBS.")
+@click.option("--throughput-drafts", default=None, help="With --throughput: batchgen runs at each size, one per draft kind (e.g. pld,none).")
 def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
           draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy, kv_cache, kv_bits,
-          plain_kv_bits, no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total):  # fmt: skip
+          plain_kv_bits, no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total,
+          throughput_drafts):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
     _setup_logging(quiet=True)
     from .bench import BenchConfig, parse_policy, run_bench, save_results
@@ -250,7 +252,10 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
         from .bench import run_throughput
 
         sizes = [b if b == "auto" else int(b) for b in batch_sizes.split(",")]
-        result = run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True))
+        drafts = throughput_drafts.split(",") if throughput_drafts else None
+        if drafts and not set(drafts) <= set(DRAFT_KINDS):
+            _fail(f"--throughput-drafts: draft kinds are {', '.join(DRAFT_KINDS)}")
+        result = run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True), drafts=drafts)
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(result, indent=2) + "\n")
         click.echo(f"wrote {out_json}")

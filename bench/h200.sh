@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree)
+#    stepops bprof8 tqbatch tqfree bpld)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -252,6 +252,17 @@ stage_tqfree() {  # issue 8: jobs/freeform.jsonl on the 0.5B shape with TurboQua
     --jobs-total 256 --max-tokens 128 --kv-cache turboquant --out "$R/tqfree_turboquant.json"
   step tqf_fp16 200 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
     --jobs-total 256 --max-tokens 128 --out "$R/tqfree_fp16.json"
+}
+
+stage_bpld() {  # issue 8: prompt lookup in a batch against plain batched rows and batch_generate (BPLD_ROWS,
+  # BPLD_RUNS: model:file pairs; BPLD_FLAGS e.g. --pld-always); the CPU exactness tests first, with the CUDA step kernel
+  step bpld_test 150 python3 -m pytest -q -p no:cacheprovider tests/test_batch_pld.py -x || return 1
+  for run in ${BPLD_RUNS:-"demo:edits demo:freeform qwen2.5-0.5b:edits"}; do
+    local m=${run%%:*} f=${run##*:} model=()
+    [[ $m == demo ]] && model=(--model "$DEMO") || model=(--shape "$m" --model "$DEMO")
+    step "bpld_${m}_${f}" 240 $BG "jobs/$f.jsonl" "${model[@]}" --throughput "${BPLD_ROWS:-8,32}" --jobs-total 256 \
+      --max-tokens 128 --throughput-drafts pld,none ${BPLD_FLAGS:-} --out "$R/bpld_${m}_${f}.json"
+  done
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call

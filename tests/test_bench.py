@@ -86,6 +86,25 @@ def test_bench_random_shape_and_throughput(tmp_path, model):
     assert cached[0] > 0 and abs(cached[1] - cached[0]) <= rows[1]["jobs"], cached
 
 
+def test_throughput_runs_each_draft_kind_beside_one_batch_generate_run(tmp_path, model):
+    loopy = [{"id": f"l{i}", "messages": [{"role": "user", "content": "ab ab ab ab " * (i + 2)}]} for i in range(3)]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", loopy)
+    out = tmp_path / "t.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "2", "--jobs-total", "4",
+                                  "--max-tokens", "24", "--pld-always", "--throughput-drafts", "pld,none",
+                                  "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["batch_size"], row["draft"]) for row in rows] == [(2, "pld"), (2, "none")]
+    assert rows[0]["mlx_lm_batch_generate"] == rows[1]["mlx_lm_batch_generate"]
+    pld, plain = rows[0]["batchgen"], rows[1]["batchgen"]
+    assert pld["verify_passes"] > 0 and pld["pld_drafted"] == pld["drafted"] > 0
+    assert "verify_passes" not in plain and plain["pld_drafted"] == 0
+    assert pld["completion_tokens"] == plain["completion_tokens"]
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "2", "--throughput-drafts", "x"])
+    assert r.exit_code == 2 and "--throughput-drafts: draft kinds are pld, none" in r.output
+
+
 def test_bench_needs_jobs_or_synthetic():
     r = CliRunner().invoke(main, ["bench"])
     assert r.exit_code == 2 and "give a JOBS file or --synthetic N" in r.output
