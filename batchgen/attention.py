@@ -75,7 +75,7 @@ def _wrap(inner, max_queries: int):
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         L = queries.shape[2]
         if sinks is None and getattr(cache, _MARK, False):
-            if 1 < L <= max_queries and type(cache) is KVCache:
+            if 1 < L <= max_queries and type(cache) in (KVCache, BatchKVCache):  # (batched: `batch_pld`'s passes)
                 return short_attention(queries, keys, values, scale, mask)
             if L == 1 and type(cache) is BatchKVCache and batch_decode_supported(queries, cache):
                 bounds = batch_cache_bounds(cache)

@@ -77,22 +77,28 @@ class BatchDraftPolicy:
     A plain step gives each live row one token; a verify pass gives each row
     one plus its kept drafts. Verify while live + kept / verify_s beats
     live / plain_s by `margin`. Looking at drafts drains the step pipeline,
-    so after a pass skipped the batch steps plainly `min_plain_steps` times
-    before it looks again, and every `explore_every`-th skip verifies anyway
-    (its costs stay measured)."""
+    so after a skipped pass the batch steps plainly `min_plain_steps` times
+    before it looks again, twice as many after each further skip (up to
+    `max_plain_steps`), and every `explore_every`-th skip verifies anyway (its
+    costs stay measured). The first pass's seconds are not counted: it builds
+    the pass's kernels."""
 
     adaptive: bool = True  # False: verify whenever a row has a draft
     margin: float = 1.05
     min_plain_steps: int = 4
+    max_plain_steps: int = 64
     explore_every: int = 16
     plain_step_s: Ema = field(default_factory=Ema)
     verify_pass_s: Ema = field(default_factory=Ema)
     kept: Ema = field(default_factory=lambda: Ema(weight=0.1))  # draft tokens kept / drafted
     plain_since_look: int = 0
     skipped: int = 0
+    skipped_in_a_row: int = 0
+    passes: int = 0
 
     def look_now(self) -> bool:
-        return not self.adaptive or self.plain_since_look >= self.min_plain_steps
+        wait = min(self.min_plain_steps << max(self.skipped_in_a_row - 1, 0), self.max_plain_steps)
+        return not self.adaptive or self.plain_since_look >= wait
 
     def worth(self, live: int, drafted: int) -> bool:
         """Verify a pass over `live` rows holding `drafted` draft tokens?"""
@@ -103,6 +109,7 @@ class BatchDraftPolicy:
             if self.skipped % self.explore_every == 0:
                 return True
         self.plain_since_look = 0
+        self.skipped_in_a_row += 1
         return False
 
     def _pays(self, live: int, drafted: int) -> bool:
@@ -112,7 +119,10 @@ class BatchDraftPolicy:
         return (live + kept * drafted) / verify > self.margin * live / plain
 
     def verified(self, seconds: float, drafted: int, accepted: int) -> None:
-        self.verify_pass_s.add(seconds)
+        self.passes += 1
+        self.skipped_in_a_row = 0
+        if self.passes > 1:
+            self.verify_pass_s.add(seconds)
         if drafted:
             self.kept.add(accepted / drafted)
 

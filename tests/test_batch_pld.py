@@ -51,7 +51,8 @@ def test_cut_rejected_keeps_rows_right_aligned():
 def test_policy_verifies_while_kept_tokens_beat_plain_steps():
     p = BatchDraftPolicy(min_plain_steps=2, explore_every=3)
     assert p.worth(8, 4)  # nothing measured: try
-    assert not p.worth(8, 0)  # no draft: nothing to verify
+    p.verified(5.0, 10, 5)  # the first pass builds kernels: its seconds are not counted
+    assert p.verify_pass_s.value is None and p.worth(8, 4)
     p.stepped(0.010)
     p.verified(0.015, 10, 5)  # half the drafts kept
     assert p.worth(8, 16)  # (8 + 8) / 0.015 > 1.05 * 8 / 0.010
@@ -64,6 +65,29 @@ def test_policy_verifies_while_kept_tokens_beat_plain_steps():
     assert p.worth(8, 4)  # the third skip explores
 
 
+def test_policy_looks_less_often_while_passes_do_not_pay():
+    p = BatchDraftPolicy(min_plain_steps=2, max_plain_steps=8, explore_every=100)
+    p.verified(1.0, 10, 0)
+    p.verified(0.030, 10, 0)  # nothing kept: a pass gives 8 tokens in 30 ms, a step 8 in 10
+    p.stepped(0.010)
+    waits = []
+    for _ in range(4):
+        assert not p.worth(8, 4)
+        steps = 0
+        while not p.look_now():
+            p.stepped(0.010)
+            steps += 1
+        waits.append(steps)
+    assert waits == [2, 4, 8, 8]
+    p.verified(0.030, 10, 10)  # a pass ran (explored): look again right after it
+    assert p.look_now()
+
+
+def test_no_draft_is_a_skip_too():
+    p = BatchDraftPolicy(min_plain_steps=3)
+    assert not p.worth(8, 0) and not p.look_now()
+
+
 def test_a_policy_that_is_not_adaptive_verifies_every_draft():
     p = BatchDraftPolicy(adaptive=False)
     p.stepped(0.001)
@@ -74,9 +98,9 @@ def test_a_policy_that_is_not_adaptive_verifies_every_draft():
 # -- exactness on tiny models -----------------------------------------------------
 
 
-def engine(path, batch_size, draft="pld", compiled=True, pool=True, max_lookup=5):
+def engine(path, batch_size, draft="pld", compiled=True, pool=True, max_lookup=5, short_attention=None):
     cfg = EngineConfig(
-        model=str(path), fuse=False, batch_size=batch_size, compiled_batch_step=compiled,
+        model=str(path), fuse=False, batch_size=batch_size, compiled_batch_step=compiled, short_attention=short_attention,
         decode=DecodeConfig(draft=draft, pld_adaptive=False, pld_max_lookup=max_lookup),
         prompt_cache=PromptCacheConfig(enabled=pool, prewarm=False),
     )  # fmt: skip
@@ -112,6 +136,29 @@ def test_batched_pld_greedy_equals_plain_greedy(model_dir, arch, batch_size, com
     assert sum(r.stats.pld_drafted for r in got) == report["drafted"]
     assert sum(r.stats.pld_accepted for r in got) == report["accepted"]
     assert all(r.stats.draft == "pld" for r in got)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_batched_pld_through_short_attention(model_dir, arch):
+    """The plain-op attention that serves verify passes on CUDA (one
+    `BatchKVCache` pass of width positions a row) keeps the texts exact."""
+    from batchgen.attention import uninstall_short_attention
+
+    path = model_dir(arch)
+    seq = {r.id: r for r in engine(path, 1, draft="none").run_all(jobs())}
+    e = engine(path, 4, short_attention=True)
+    calls = []
+    from batchgen import attention
+
+    real = attention.short_attention
+    attention.short_attention = lambda q, *a: calls.append(q.shape[2]) or real(q, *a)
+    try:
+        got = list(e.run_all(jobs()))
+    finally:
+        attention.short_attention = real
+        uninstall_short_attention(e.model)
+    check_equal(got, seq)
+    assert 6 in calls  # the passes went through it
 
 
 def test_batched_pld_on_a_repeating_model_keeps_drafts_and_saves_passes(model_dir):
