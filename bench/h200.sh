@@ -257,7 +257,8 @@ stage_tqfree() {  # issue 8: jobs/freeform.jsonl on the 0.5B shape with TurboQua
 stage_bpld() {  # issue 8: prompt lookup in a batch against plain batched rows and batch_generate (BPLD_ROWS,
   # BPLD_RUNS: model:file pairs; BPLD_FLAGS e.g. --pld-always); the CPU exactness tests first, with the CUDA step kernel
   [[ ${BPLD_TEST:-1} == 0 ]] || step bpld_test 150 python3 -m pytest -q -p no:cacheprovider tests/test_batch_pld.py -x || return 1
-  for run in ${BPLD_RUNS:-"demo:edits demo:freeform qwen2.5-0.5b:edits"}; do
+  local runs=${BPLD_RUNS:-"demo:edits demo:freeform qwen2.5-0.5b:edits"}
+  for run in $runs; do
     local m=${run%%:*} f=${run##*:} model=()
     [[ $m == demo ]] && model=(--model "$DEMO") || model=(--shape "$m" --model "$DEMO")
     step "bpld_${m}_${f}" 240 $BG "jobs/$f.jsonl" "${model[@]}" --throughput "${BPLD_ROWS:-8,32}" --jobs-total 256 \
