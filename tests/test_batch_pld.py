@@ -48,6 +48,21 @@ def test_cut_rejected_keeps_rows_right_aligned():
     assert c._idx == 6
 
 
+def test_cut_rejected_rolls_every_head_of_every_row():
+    """Against mlx-lm's `dynamic_roll` (an element-wise gather), on heads and
+    head sizes that differ between keys and values."""
+    from mlx_lm.models.cache import dynamic_roll
+
+    c = BatchKVCache([0, 0, 0])
+    c.keys, c.values = mx.random.normal((3, 2, 7, 4)), mx.random.normal((3, 2, 7, 5))
+    c.offset = mx.array([7, 7, 7])
+    keys, values, shifts = c.keys, c.values, mx.array([3, 0, 5])
+    cut_rejected([c], [3, 0, 5])
+    assert mx.array_equal(c.keys, dynamic_roll(keys, shifts[:, None], axis=2))
+    assert mx.array_equal(c.values, dynamic_roll(values, shifts[:, None], axis=2))
+    assert c.left_padding.tolist() == [3, 0, 5] and c.offset.tolist() == [4, 7, 2]
+
+
 def test_policy_verifies_while_kept_tokens_beat_plain_steps():
     p = BatchDraftPolicy(min_plain_steps=2, explore_every=3)
     assert p.worth(8, 4)  # nothing measured: try
