@@ -198,7 +198,7 @@ class BatchScheduler:
         # Prompt lookup over fp16 rows (`batch_pld`): verify passes of `width` positions a row.
         d = engine.config.decode
         self.drafts = None
-        if d.draft == "pld" and d.pld_max_lookup > 0 and not self.turbo:
+        if d.draft == "pld" and d.pld_in_batch and d.pld_max_lookup > 0 and not self.turbo:
             self.drafts = BatchDraftPolicy(adaptive=d.pld_adaptive)
             self.report.update(verify_passes=0, drafted=0, accepted=0)
         self.width = d.pld_max_lookup + 1 if self.drafts else 1
@@ -234,8 +234,8 @@ class BatchScheduler:
         plan = e.plan(job)
         drafts = plan.decode.draft == "pld" and job.sampling.greedy and plan.decode.pld_max_lookup > 0
         if ((drafts and self.drafts is None) or plan.kv != self.kv) and not self.logged_overrides:
-            log.info(f"batched decoding: jobs run over the batch's {self.kv.kind} KV cache"
-                     + (" with plain decoding (PLD in a batch takes fp16 rows)" if self.turbo else ""))  # fmt: skip
+            log.info(f"batched decoding: jobs run with plain decoding over the batch's {self.kv.kind} KV cache "
+                     "(PLD runs at batch size 1, or batched with --pld-in-batch over fp16 rows)")  # fmt: skip
             self.logged_overrides = True
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)

@@ -262,7 +262,7 @@ stage_bpld() {  # issue 8: prompt lookup in a batch against plain batched rows a
     local m=${run%%:*} f=${run##*:} model=()
     [[ $m == demo ]] && model=(--model "$DEMO") || model=(--shape "$m" --model "$DEMO")
     step "bpld_${m}_${f}" 240 $BG "jobs/$f.jsonl" "${model[@]}" --throughput "${BPLD_ROWS:-8,32}" --jobs-total 256 \
-      --max-tokens 128 --throughput-drafts pld,none ${BPLD_FLAGS:-} --out "$R/bpld_${m}_${f}.json"
+      --max-tokens 128 --throughput-drafts pld,none --pld-in-batch ${BPLD_FLAGS:-} --out "$R/bpld_${m}_${f}.json"
   done
 }
 

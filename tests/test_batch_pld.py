@@ -116,7 +116,7 @@ def test_a_policy_that_is_not_adaptive_verifies_every_draft():
 def engine(path, batch_size, draft="pld", compiled=True, pool=True, max_lookup=5, short_attention=None):
     cfg = EngineConfig(
         model=str(path), fuse=False, batch_size=batch_size, compiled_batch_step=compiled, short_attention=short_attention,
-        decode=DecodeConfig(draft=draft, pld_adaptive=False, pld_max_lookup=max_lookup),
+        decode=DecodeConfig(draft=draft, pld_adaptive=False, pld_max_lookup=max_lookup, pld_in_batch=True),
         prompt_cache=PromptCacheConfig(enabled=pool, prewarm=False),
     )  # fmt: skip
     return Engine.load(cfg)
@@ -224,6 +224,16 @@ def test_sampling_rows_ride_along_with_their_own_samples(model_dir):
     check_equal(got, seq)
     assert e.batch_report["verify_passes"] > 0
     assert {r.id for r in got if r.stats.draft == "none"} == {"j1", "j4", "j8"}
+
+
+def test_batched_rows_decode_plainly_unless_asked(model_dir):
+    path = model_dir("qwen2")
+    cfg = EngineConfig(model=str(path), fuse=False, batch_size=4, decode=DecodeConfig(draft="pld", pld_adaptive=False),
+                       prompt_cache=PromptCacheConfig(enabled=False))  # fmt: skip
+    e = Engine.load(cfg)
+    got = list(e.run_all(jobs()))
+    assert all(r.ok and r.stats.draft == "none" and r.stats.pld_drafted == 0 for r in got)
+    assert "verify_passes" not in e.batch_report and e.batch_report["steps"] > 0
 
 
 def test_rows_cut_back_by_rejections_are_compacted(model_dir, monkeypatch):

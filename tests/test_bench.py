@@ -91,7 +91,7 @@ def test_throughput_runs_each_draft_kind_beside_one_batch_generate_run(tmp_path,
     jobs = write_jobs(tmp_path / "jobs.jsonl", loopy)
     out = tmp_path / "t.json"
     r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "2", "--jobs-total", "4",
-                                  "--max-tokens", "24", "--pld-always", "--throughput-drafts", "pld,none",
+                                  "--max-tokens", "24", "--pld-always", "--pld-in-batch", "--throughput-drafts", "pld,none",
                                   "--out", str(out)])  # fmt: skip
     assert r.exit_code == 0, r.output
     rows = json.loads(out.read_text())["rows"]
