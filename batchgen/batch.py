@@ -380,13 +380,19 @@ class BatchScheduler:
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         return mx.argmax(logits, axis=-1), logits
 
-    def _queue_step(self, prev: _Step | None) -> _Step:
-        """Queue one forward pass over every row; nothing is read back."""
-        tokens, logits = self._forward(self._inputs(prev))
+    def _sampled(self, tokens: mx.array, logits: mx.array | None) -> mx.array:
+        """`tokens` (B,), greedy, with each sampling row's own sample from its
+        `logits` row instead (its key for the token it is on)."""
         for i, row in enumerate(self.rows):
             if row is not None and not row.job.sampling.greedy:
                 key = row.keys[min(row.queued, row.keys.shape[0] - 1)]
                 tokens = mx.where(mx.arange(self.B) == i, pick(logits[i : i + 1], row.job.sampling, key), tokens)
+        return tokens
+
+    def _queue_step(self, prev: _Step | None) -> _Step:
+        """Queue one forward pass over every row; nothing is read back."""
+        tokens, logits = self._forward(self._inputs(prev))
+        tokens = self._sampled(tokens, logits)
         for row in self.rows:
             if row is not None:
                 row.queued += 1
@@ -401,15 +407,35 @@ class BatchScheduler:
         """One verify pass over every row (`batch_pld`), if the rows' drafts
         make it pay; yields the jobs that finished, returns whether it ran.
         Every queued step must have been read back (drafts need the tokens)."""
-        live = [(i, r) for i, r in enumerate(self.rows) if r is not None]
-        drafts = [[] for _ in self.rows]
-        for i, row in live:
-            if row.index is not None:
-                drafts[i] = row.index.draft(min(row.lookup, row.text.remaining - 1))
+        drafts = [[] if r is None or r.index is None else r.index.draft(min(r.lookup, r.text.remaining - 1))
+                  for r in self.rows]  # fmt: skip
         drafted = sum(map(len, drafts))
-        if not self.drafts.worth(len(live), drafted):
+        if not self.drafts.worth(self.live, drafted):
             return False
         start = time.perf_counter()
+        targets = self._verify_pass(drafts)
+        kept = [accepted_prefix(d, t) for d, t in zip(drafts, targets)]
+        cut_rejected(self.cache, [self.width - 1 - n if r else 0 for n, r in zip(kept, self.rows)])
+        for i, row in enumerate(self.rows):
+            if row is None:
+                continue
+            self.pads[i] += self.width - 1 - kept[i]
+            row.stats.forward_passes += 1
+            row.stats.pld_drafted += len(drafts[i])
+            row.stats.pld_accepted += kept[i]
+            yield from self._hand_out(i, drafts[i][: kept[i]] + [targets[i][kept[i]]])
+        self._gather = None
+        self.step += 1
+        accepted = sum(kept)
+        for name, n in (("steps", 1), ("verify_passes", 1), ("drafted", drafted), ("accepted", accepted)):
+            self.report[name] += n
+        self.drafts.verified(time.perf_counter() - start, drafted, accepted)
+        return True
+
+    def _verify_pass(self, drafts: list[list[int]]) -> list[list[int]]:
+        """Feed every row [its next input, *its draft] (padded to `width`) at the
+        write position; each row's tokens after each of them (sampling rows:
+        the first its own sample), read back."""
         self.stepper.flush(self.cache)  # the pass writes at the big buffers' write position
         firsts = [0 if r is None else r.next_input for r in self.rows]
         inputs = mx.array(verify_inputs(firsts, drafts, self.width), mx.uint32)
@@ -417,38 +443,33 @@ class BatchScheduler:
             c.offset = c._idx - c.left_padding
         logits = self.model(inputs, cache=self.cache)  # (B, width, vocab)
         targets = mx.argmax(logits, axis=-1)
-        for i, row in live:
-            if not row.job.sampling.greedy:  # no draft: its first position, its own key
-                key = row.keys[min(row.queued, row.keys.shape[0] - 1)]
-                targets = mx.where((mx.arange(self.B) == i)[:, None], pick(logits[i : i + 1, 0], row.job.sampling, key)[:, None],
-                                   targets)  # fmt: skip
-        values = targets.tolist()
-        kept = [accepted_prefix(d, v) for d, v in zip(drafts, values)]
-        cut_rejected(self.cache, [self.width - 1 - n if r else 0 for n, r in zip(kept, self.rows)])
-        accepted = 0
-        for i, row in live:
-            self.pads[i] += self.width - 1 - kept[i]
-            row.pending_input, row.first_token_s = None, row.first_token_s or row.timer.elapsed_s
-            row.stats.forward_passes += 1
-            row.stats.pld_drafted += len(drafts[i])
-            row.stats.pld_accepted += kept[i]
-            accepted += kept[i]
-            out = drafts[i][: kept[i]] + [values[i][kept[i]]]
-            row.queued += len(out)
-            if any(row.add(t) for t in out):  # stops at the token that finishes it
-                row.done = True
-                self.rows[i] = None
-                yield self._finish(row)
-            else:
-                row.pending_input = out[-1]
-        self._gather = None
-        self.step += 1
-        self.report["steps"] += 1
-        self.report["verify_passes"] += 1
-        self.report["drafted"] += drafted
-        self.report["accepted"] += accepted
-        self.drafts.verified(time.perf_counter() - start, drafted, accepted)
-        return True
+        first = self._sampled(targets[:, 0], logits[:, 0])
+        return mx.concatenate([first[:, None], targets[:, 1:]], axis=1).tolist()
+
+    def _hand_out(self, i: int, tokens: list[int]) -> Iterator[Result]:
+        """Hand row i the tokens a pass gave it, up to the one that finishes it
+        (then the row is freed and its result yielded)."""
+        row = self.rows[i]
+        row.pending_input = None
+        if row.first_token_s is None:
+            row.first_token_s = row.timer.elapsed_s
+        row.queued += len(tokens)
+        if any(row.add(t) for t in tokens):
+            row.done = True
+            self.rows[i] = None
+            yield self._finish(row)
+        else:
+            row.pending_input = tokens[-1]  # the cache lacks it: the next pass or step feeds it
+
+    def _drain(self, prev: _Step | None) -> Iterator[Result]:
+        """Read back the queued step, if any (its tokens become the rows' next
+        inputs); yields the jobs that finished, returns None (no step queued)."""
+        if prev is not None:
+            yield from self._read(prev)
+            for row in self.rows:
+                if row is not None:
+                    row.pending_input = row.next_input
+        return None
 
     def _read(self, step: _Step) -> list[Result]:
         """Hand each live row its token; return the jobs that finished."""
@@ -528,12 +549,7 @@ class BatchScheduler:
             prev = None
             while self.live or prev is not None:
                 if self.drafts is not None and self.live and self.drafts.look_now():
-                    if prev is not None:  # drafts need every row's latest token
-                        yield from self._read(prev)
-                        prev = None
-                        for row in self.rows:  # the next pass or step feeds it
-                            if row is not None:
-                                row.pending_input = row.next_input
+                    prev = yield from self._drain(prev)
                     if self.live and (yield from self._verify()):
                         yield from self._admit(waiting, source)
                         self._compact()
