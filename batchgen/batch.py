@@ -22,7 +22,10 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
 - a finished job just frees its row; the row's next steps are ignored, no
   arrays move;
 - the next step is queued before the current tokens are read back, and the
-  tokens of all rows come back in one transfer.
+  tokens of all rows come back in one transfer;
+- with `DecodeConfig.pld_in_batch`, greedy rows draft from their own context
+  and one verify pass serves every row (`batch_pld`), where its policy says
+  the pass pays.
 
 Rows share the left-padded buffer; when every live row has at least
 `_COMPACT_PAD` positions of padding, the common padding is cut off. Once the

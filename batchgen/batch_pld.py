@@ -14,6 +14,12 @@ Greedy rows draft; a sampling row rides along with no draft (its token from
 the pass's first position and its own key, as in a plain step), so its
 samples stay those it draws alone with plain decoding.
 
+Off unless asked for (`DecodeConfig.pld_in_batch`): on an H200 a pass (built
+in Python, read back before the next can be chosen, then the cut) cost
+several pipelined compiled steps, so batched rows with drafts ran at
+0.60-0.99x plain batched rows even with 99% of drafts kept
+(bench/results/2026-11-30-h200-u).
+
     >>> accepted_prefix([5, 6, 7], [5, 6, 9, 2])  # 7 rejected: 9 is the model's own
     2
 """
