@@ -574,4 +574,5 @@ class BatchScheduler:
                     self._compact()
                 self._shrink()
         stepped = "compiled" if self.compiled and self.stepper.compiled else "unrecorded" if self.compiled else "model"
-        self.engine.batch_report.update(self.report, step=stepped, kv_cache=self.kv.kind)
+        self.engine.batch_report.update(self.report, step=stepped, kv_cache=self.kv.kind,
+                                        draft="pld" if self.drafts else "none")  # what batched rows did

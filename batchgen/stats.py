@@ -174,5 +174,13 @@ class RunSummary:
             f"techniques: draft={d['draft']} pld_ngram_size={d['pld_ngram_size']} "
             f"pld_max_lookup={d['pld_max_lookup']} kv_cache={d['kv_cache']} "
             f"fusion qkv={f.get('qkv', 0)} gate_up={f.get('gate_up', 0)} experts={f.get('experts', 0)} "
-            f"batch rows={d['batch'].get('rows', 1)}",
+            f"batch rows={d['batch'].get('rows', 1)}" + _batched_draft(d["batch"]),
         ]
+
+
+def _batched_draft(batch: dict) -> str:
+    """How batched rows decoded, where it differs from one job at a time's draft."""
+    if batch.get("rows", 1) <= 1 or "draft" not in batch:
+        return ""
+    passes = f", {batch['verify_passes']} verify passes" if "verify_passes" in batch else ""
+    return f" (batched rows: draft={batch['draft']}{passes})"

@@ -225,7 +225,8 @@ def test_unset_batch_size_takes_the_device_default(model_dir, monkeypatch, devic
     assert engine(model_dir("qwen2"), None).resolve_batch_size(total=len(TEXTS)) == expected
 
 
-def test_resume_mid_batch(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["--pld-in-batch"]])
+def test_resume_mid_batch(model_dir, tmp_path, monkeypatch, extra):
     import json
 
     from click.testing import CliRunner
@@ -237,7 +238,7 @@ def test_resume_mid_batch(model_dir, tmp_path, monkeypatch):
     path.write_text("".join(json.dumps({"id": f"j{i}", "prompt": t, "max_tokens": n}) + "\n"
                             for i, (t, n) in enumerate(zip(TEXTS, LENGTHS))))  # fmt: skip
     out = tmp_path / "out.jsonl"
-    args = ["run", str(path), "--model", str(model_dir("qwen2")), "-o", str(out), "--no-fuse", "--batch-size", "3"]
+    args = ["run", str(path), "--model", str(model_dir("qwen2")), "-o", str(out), "--no-fuse", "--batch-size", "3", *extra]
     real, calls = BatchScheduler._finish, []
 
     def finish_then_interrupt(self, row):

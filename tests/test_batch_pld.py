@@ -9,6 +9,7 @@ from mlx_lm.models.cache import BatchKVCache
 from batchgen.batch_pld import BatchDraftPolicy, accepted_prefix, cut_rejected, verify_inputs
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine import Engine
+from batchgen.jobs import NATIVE, BadJob
 
 from test_batch import LENGTHS, TEXTS
 from test_engine import make_job
@@ -224,6 +225,19 @@ def test_sampling_rows_ride_along_with_their_own_samples(model_dir):
     check_equal(got, seq)
     assert e.batch_report["verify_passes"] > 0
     assert {r.id for r in got if r.stats.draft == "none"} == {"j1", "j4", "j8"}
+
+
+def test_failing_job_fails_alone_beside_drafting_rows(model_dir):
+    path = model_dir("qwen2", max_position_embeddings=80)
+    items = jobs(max_tokens=20)
+    items.insert(2, make_job("long " * 90, max_tokens=5, job_id="too-long"))
+    items.insert(4, BadJob("bad", 99, NATIVE, "invalid_json", "not valid JSON"))
+    seq = {r.id: r for r in engine(path, 1, draft="none").run_all(items)}
+    e = engine(path, 3)
+    got = {r.id: r for r in e.run_all(items)}
+    assert got["too-long"].error.type == "prompt_too_long" and got["bad"].error.type == "invalid_json"
+    assert e.batch_report["verify_passes"] > 0
+    check_equal([r for r in got.values() if r.ok], {k: r for k, r in seq.items() if r.ok})
 
 
 def test_batched_rows_decode_plainly_unless_asked(model_dir):

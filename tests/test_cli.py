@@ -302,7 +302,8 @@ def test_pld_in_batch_drafts_batched_rows_and_reports_their_passes(tmp_path, mod
         drafted = sum(l["stats"]["pld_drafted"] for l in lines)
         if extra:
             assert {l["stats"]["draft"] for l in lines} == {"pld"}
-            assert batch["verify_passes"] > 0 and batch["drafted"] == drafted > 0
+            assert batch["verify_passes"] > 0 and batch["drafted"] == drafted > 0 and batch["draft"] == "pld"
+            assert f"(batched rows: draft=pld, {batch['verify_passes']} verify passes)" in r.stderr
         else:
             assert {l["stats"]["draft"] for l in lines} == {"none"} and drafted == 0 and "verify_passes" not in batch
     assert texts[()] == texts[("--pld-in-batch",)]
@@ -319,6 +320,7 @@ def test_summary_reports_the_batch_and_overall_throughput(tmp_path, model):
         assert s["batch"]["rows"] == rows and f"batch rows={rows}" in r.stderr
         if rows > 1:  # 4 jobs of 6 tokens on 2 rows: the first tokens come from prompt passes
             assert s["batch"]["jobs_started"] == 4 and 10 <= s["batch"]["steps"] <= 12 and s["batch"]["prompt_s"] > 0
+            assert s["draft"] == "pld" and s["batch"]["draft"] == "none" and "(batched rows: draft=none)" in r.stderr
         # completion tokens over the wall time, up to the JSON's rounding (wall_s to 1 ms, tps to 0.01)
         c, wall = s["tokens"]["completion"], s["wall_s"]
         assert c / (wall + 5e-4) - 5e-3 <= s["throughput_tps"] <= c / (wall - 5e-4) + 5e-3
