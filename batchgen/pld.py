@@ -78,8 +78,11 @@ _MAX_CANDIDATES = 64  # the most recent occurrences of an n-gram that are ranked
 def _best_start(a: list[int], starts: list[int], n: int) -> int:
     """The candidate with the longest agreeing context before it, latest on ties."""
     suffix_start = len(a) - n
+    context = a[suffix_start - _RANK_CONTEXT : suffix_start] if suffix_start >= _RANK_CONTEXT else None
     best, best_agree = starts[-1], -1
     for s in reversed(starts):  # latest first, so ties keep the latest
+        if context is not None and s >= _RANK_CONTEXT and a[s - _RANK_CONTEXT : s] == context:
+            return s  # agrees as far back as ranking looks: no earlier one can beat it
         agree = 0
         while agree < _RANK_CONTEXT and s - agree - 1 >= 0 and a[s - agree - 1] == a[suffix_start - agree - 1]:
             agree += 1

@@ -80,6 +80,33 @@ def test_policy_explores_and_starts_optimistic():
     assert fresh.worth(0, 0, 1)  # no verify cost known yet
 
 
+def test_best_start_ranks_as_a_plain_scan_does():
+    """Against the rule written out: the most agreeing context (up to 32 back),
+    the latest on ties; periodic text (many full agreements) and random text."""
+    import random
+
+    from batchgen.pld import _RANK_CONTEXT, _best_start
+
+    def reference(a, starts, n):
+        def agree(s):
+            k = 0
+            while k < _RANK_CONTEXT and s - k - 1 >= 0 and a[s - k - 1] == a[len(a) - n - k - 1]:
+                k += 1
+            return k
+
+        return max(reversed(starts), key=agree)  # max keeps the first of equals: the latest
+
+    rng = random.Random(7)
+    for trial in range(300):
+        period = rng.choice([1, 2, 3, 7, 40])
+        base = [rng.randrange(4) for _ in range(period)]
+        a = [base[i % period] if rng.random() > 0.05 * (trial % 3) else rng.randrange(4) for i in range(rng.randrange(2, 200))]
+        n = min(rng.randrange(1, 4), len(a) - 1)
+        starts = [i for i in range(len(a) - n) if a[i : i + n] == a[-n:]][-64:]
+        if starts:
+            assert _best_start(a, starts, n) == reference(a, starts, n), (a, n)
+
+
 def test_ngram_index_equals_find_draft_on_random_sequences():
     import random
 
