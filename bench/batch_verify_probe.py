@@ -93,7 +93,7 @@ def main() -> None:
         row["tok_s_step"] = rows * 1e3 / row["step_ms"]
         print(json.dumps(row), flush=True)
         results.append(row)
-        del cache
+        cache = None  # (released before the next batch size)
         mx.clear_cache()
     if a.out:
         a.out.write_text(json.dumps({"device": str(mx.default_device()), "rows": results}, indent=1))
