@@ -63,7 +63,11 @@ def short_attention(queries, keys, values, scale: float, mask) -> mx.array:
     if isinstance(mask, mx.array):
         if mask.ndim == 4:
             mask = mask[:, :, None] if mask.shape[1] > 1 else mask[:, None]
-        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+        # The lowest finite score, not -inf: a query with every key masked (a left-padded
+        # row's padding in a batch pass) then averages instead of turning NaN, and NaN
+        # written into its cache entries would reach other queries through 0 * NaN.
+        low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
+        scores = mx.where(mask, scores, low) if mask.dtype == mx.bool_ else scores + mask
     elif mask is not None or L > 1:  # "causal": query i sits at position S - L + i
         causal = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
         scores = mx.where(causal, scores, -mx.inf)

@@ -293,3 +293,21 @@ def test_short_attention_matches_fused_kernel():
         assert mx.allclose(got, want, atol=1e-5).item()
         boolmask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
         assert mx.allclose(short_attention(q, k, v, 0.25, boolmask), want, atol=1e-5).item()
+
+
+def test_short_attention_over_left_padded_rows_stays_finite():
+    """A batch pass's mask (B, 1, L, S): a row's padding positions see no key
+    at all; they come out finite (NaN there would reach the row's real
+    queries through its cache), and the real positions as the fused kernel gives."""
+    from mlx_lm.models.base import create_causal_mask
+
+    from batchgen.attention import short_attention
+
+    mx.random.seed(1)
+    q, k, v = mx.random.normal((2, 4, 6, 16)), mx.random.normal((2, 2, 6, 16)), mx.random.normal((2, 2, 6, 16))
+    mask = create_causal_mask(6, left_padding=mx.array([0, 3]))  # (2, 1, 6, 6): row 1's first 3 see nothing
+    got = short_attention(q, k, v, 0.25, mask)
+    assert mx.isfinite(got).all().item()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert mx.allclose(got[0], want[0], atol=1e-5).item()
+    assert mx.allclose(got[1, :, 3:], want[1, :, 3:], atol=1e-5).item()
