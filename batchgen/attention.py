@@ -12,7 +12,8 @@ fused kernel.
 
 The hook rebinds `scaled_dot_product_attention` in the modules the model is
 built from (as mlx-lm's models import it by name). It takes effect only for
-plain `KVCache` layers marked by `mark_cache` (the engine's own caches), so
+`KVCache` layers, and batches' `BatchKVCache` layers (`batch_pld`'s verify
+passes), marked by `mark_cache` (the engine's own caches), so
 another model of the same architecture in the process (the plain mlx-lm side
 of a benchmark) keeps the stock path, and other caches (TurboQuant's own
 attention) keep theirs.
