@@ -16,24 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
-from batchgen.attention import install_short_attention, mark_cache, uninstall_short_attention
-from batchgen.batch_pld import cut_rejected
-from batchgen.bench import random_model
-from batchgen.fusion import fuse_model
+sys.path.insert(0, str(Path(__file__).parent))
 
+from batch_step import _filled  # noqa: E402
 
-def _filled(model, rows: int, context: int) -> list:
-    pads = [(context // 2) * i // max(rows - 1, 1) for i in range(rows)]
-    cache = mark_cache([BatchKVCache(pads) for _ in model.layers])
-    model(mx.random.randint(0, 1000, (rows, context)), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
+from batchgen.attention import install_short_attention, uninstall_short_attention  # noqa: E402
+from batchgen.batch_pld import cut_rejected  # noqa: E402
+from batchgen.bench import random_model  # noqa: E402
+from batchgen.fusion import fuse_model  # noqa: E402
 
 
 def _ms(fn, n: int) -> float:
@@ -72,7 +68,7 @@ def main() -> None:
     for rows in [int(r) for r in a.rows.split(",")]:
         row = {"shape": a.shape, "rows": rows, "context": a.context, "width": a.width}
         install_short_attention(model)
-        cache = _filled(model, rows, a.context)
+        cache = _filled(model, rows, a.context, batch=True, marked=True)
         row["step_ms"] = _ms(_pass(model, cache, rows, 1), a.n)
         row["verify_short_ms"] = _ms(_pass(model, cache, rows, a.width), a.n)
         start = time.perf_counter()
