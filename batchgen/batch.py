@@ -466,13 +466,12 @@ class BatchScheduler:
 
     def _drain(self, prev: _Step | None) -> Iterator[Result]:
         """Read back the queued step, if any (its tokens become the rows' next
-        inputs); yields the jobs that finished, returns None (no step queued)."""
+        inputs); yields the jobs that finished."""
         if prev is not None:
             yield from self._read(prev)
             for row in self.rows:
                 if row is not None:
                     row.pending_input = row.next_input
-        return None
 
     def _read(self, step: _Step) -> list[Result]:
         """Hand each live row its token; return the jobs that finished."""
@@ -552,7 +551,8 @@ class BatchScheduler:
             prev = None
             while self.live or prev is not None:
                 if self.drafts is not None and self.live and self.drafts.look_now():
-                    prev = yield from self._drain(prev)
+                    yield from self._drain(prev)
+                    prev = None
                     if self.live and (yield from self._verify()):
                         yield from self._admit(waiting, source)
                         self._compact()
