@@ -11,7 +11,8 @@ token per row none of that is needed:
 
 - activations are (rows, hidden);
 - projections read weights transposed once, when the step is made (an
-  evaluated `.T` view: no copy, no primitive per call);
+  evaluated `.T` view: no copy, no primitive per call), or on CUDA go through
+  `projection`'s few-row tensor-core kernel (bf16, up to 32 rows);
 - RoPE runs once over the fused q|k|v output viewed as (rows, heads, 1, D):
   v's rotation is computed and never read, which costs less than slicing q and
   k out (a strided slice is copied before a kernel reads it);
@@ -38,6 +39,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from . import projection
+
 
 log = logging.getLogger("batchgen")
 
@@ -45,32 +48,39 @@ SUPPORTED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.model
 
 
 @dataclass(frozen=True)
+class _Linear:
+    """A projection's weight (out, in), as the model holds it, and its transpose."""
+
+    w: mx.array
+    w_t: mx.array  # an evaluated `.T` view: the step's graph holds no transpose
+    bias: mx.array | None
+
+    def __call__(self, x: mx.array, kernel: bool) -> mx.array:
+        """nn.Linear's own ops, or (`kernel`: CUDA) `projection`'s few-row kernel where it takes them."""
+        if kernel and projection.takes(x, self.w):
+            return projection.project(x, self.w, self.bias)
+        return x @ self.w_t if self.bias is None else mx.addmm(self.bias, x, self.w_t)
+
+
+def _linear(module: nn.Module) -> _Linear:
+    """A linear layer (or a tied embedding) as a `_Linear`."""
+    w = module["weight"]
+    w_t = w.T
+    mx.eval(w_t)
+    return _Linear(w, w_t, module.get("bias"))
+
+
+@dataclass(frozen=True)
 class _Layer:
     norm1: mx.array
     eps1: float
-    qkv_t: mx.array  # (hidden, (Hq + 2 Hkv) D): q | k | v, transposed
-    qkv_bias: mx.array | None
-    o_t: mx.array
-    o_bias: mx.array | None
+    qkv: _Linear  # (Hq + 2 Hkv) D outputs: q | k | v
+    o: _Linear
     norm2: mx.array
     eps2: float
-    gate_up_t: mx.array  # (hidden, 2 I): gate | up
-    gate_up_bias: mx.array | None
-    down_t: mx.array
-    down_bias: mx.array | None
+    gate_up: _Linear  # 2 I outputs: gate | up
+    down: _Linear
     qk_norms: tuple | None = None  # qwen3: (q weight, k weight, eps), RMS norm of each head before RoPE
-
-
-def _proj(x: mx.array, w_t: mx.array, bias: mx.array | None) -> mx.array:
-    """nn.Linear's own ops, on a weight transposed beforehand."""
-    return x @ w_t if bias is None else mx.addmm(bias, x, w_t)
-
-
-def _transposed(module: nn.Module) -> tuple[mx.array, mx.array | None]:
-    """(weight.T, bias or None) of a linear layer (or a tied embedding)."""
-    w_t = module["weight"].T
-    mx.eval(w_t)  # a view of the weight's buffer, evaluated: the step's graph holds no transpose
-    return w_t, module.get("bias")
 
 
 def _unsupported(model) -> str | None:
@@ -112,8 +122,9 @@ def _head_dim(attn) -> int:
 
 class StepForward:
     """forward(inputs (B,), caches) -> logits (B, vocab): the model's one-token
-    pass over `compiled_step.StepCache` layers. `kernel`: attention through
-    `attention.fused_step_attention` (CUDA)."""
+    pass over `compiled_step.StepCache` layers. `kernel` (CUDA): attention
+    through `attention.fused_step_attention`, projections through
+    `projection` where it takes them."""
 
     def __init__(self, model):
         inner = model.model
@@ -122,7 +133,7 @@ class StepForward:
         self.scale, self.rope = attn.scale, attn.rope
         self.embed = inner.embed_tokens
         self.norm, self.eps = inner.norm["weight"], inner.norm.eps
-        self.head_t = _transposed(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)[0]
+        self.head = _linear(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)
         self.layers = [self._layer(layer) for layer in inner.layers]
 
     @staticmethod
@@ -130,8 +141,8 @@ class StepForward:
         attn, mlp = layer.self_attn, layer.mlp
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         qk = (attn.q_norm["weight"], attn.k_norm["weight"], attn.q_norm.eps) if hasattr(attn, "q_norm") else None
-        return _Layer(n1["weight"], n1.eps, *_transposed(attn.qkv_proj), *_transposed(attn.o_proj), n2["weight"],
-                      n2.eps, *_transposed(mlp.gate_up_proj), *_transposed(mlp.down_proj), qk)  # fmt: skip
+        return _Layer(n1["weight"], n1.eps, _linear(attn.qkv_proj), _linear(attn.o_proj), n2["weight"], n2.eps,
+                      _linear(mlp.gate_up_proj), _linear(mlp.down_proj), qk)  # fmt: skip
 
     def __call__(self, inputs: mx.array, caches: list, kernel: bool) -> mx.array:
         B = inputs.shape[0]
@@ -141,7 +152,7 @@ class StepForward:
         h = self.embed(inputs)
         for w, cache in zip(self.layers, caches):
             x = mx.fast.rms_norm(h, w.norm1, w.eps1)
-            heads = _proj(x, w.qkv_t, w.qkv_bias).reshape(B, hq + 2 * hkv, 1, d)
+            heads = w.qkv(x, kernel).reshape(B, hq + 2 * hkv, 1, d)
             roped = self.rope(heads if w.qk_norms is None else self._qk_normed(heads, w.qk_norms), offset=offset)
             if kernel and cache.takes_kernel(heads):
                 out = cache.fused_attention(roped, heads, self.scale)  # (B, Hq * D)
@@ -154,11 +165,11 @@ class StepForward:
                     out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale,
                                                                mask=mask)  # fmt: skip
                 out = out.reshape(B, hq * d)
-            h = h + _proj(out, w.o_t, w.o_bias)
+            h = h + w.o(out, kernel)
             x = mx.fast.rms_norm(h, w.norm2, w.eps2)
-            gate, up = mx.split(_proj(x, w.gate_up_t, w.gate_up_bias), 2, axis=-1)
-            h = h + _proj(swiglu(gate, up), w.down_t, w.down_bias)
-        return mx.fast.rms_norm(h, self.norm, self.eps) @ self.head_t
+            gate, up = mx.split(w.gate_up(x, kernel), 2, axis=-1)
+            h = h + w.down(swiglu(gate, up), kernel)
+        return self.head(mx.fast.rms_norm(h, self.norm, self.eps), kernel)
 
 
     def _qk_normed(self, heads: mx.array, norms: tuple) -> mx.array:

@@ -27,6 +27,7 @@ STANDIN = """
 #include <cuda_fp16.h>
 #include <cuda/std/array>
 using Strides = cuda::std::array<int64_t, 10>;
+using Shape = cuda::std::array<int32_t, 10>;
 """
 CUDA_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half", "u32": "uint32_t", "i32": "int32_t"}
 
@@ -35,6 +36,8 @@ def wrapped(name: str, header: str, body: str, inputs: list, outputs: list, temp
     params = []
     for arg, dtype in inputs:
         params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
+        if f"{arg}_shape" in body:
+            params.append(f"const __grid_constant__ Shape {arg}_shape")
         if f"{arg}_strides" in body:
             params.append(f"const __grid_constant__ Strides {arg}_strides")
     params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
@@ -114,3 +117,12 @@ def test_turboquant_batch_step_kernels_compile(tmp_path, dtype, dim, bits):
     fused = [("q", dtype), ("heads", dtype)] + rows + coded + fixed
     compiles(tmp_path, wrapped("t", T.STEP_HEADER, A.STEP_HEAD + T.STEP_SOURCE, plain, outs, template))
     compiles(tmp_path, wrapped("tf", T.STEP_HEADER, A.FUSED_STEP_HEAD + T.STEP_SOURCE, fused, outs, template))
+
+
+@pytest.mark.parametrize("rows,n,bias", [(1, 896, False), (8, 9728, True), (13, 1152, False), (32, 37888, True)])
+def test_projection_kernel_compiles(tmp_path, rows, n, bias):
+    from batchgen import projection as P
+
+    inputs = [(n, "bf16") for n in P.INPUTS]
+    outputs = [(n, "bf16") for n in P.OUTPUTS]
+    compiles(tmp_path, wrapped("p", P.HEADER, P.SOURCE, inputs, outputs, P.template(rows, n, bias)))
