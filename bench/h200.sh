@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -264,6 +264,24 @@ stage_bpld() {  # issue 8: prompt lookup in a batch against plain batched rows a
     step "bpld_${m}_${f}" 240 $BG "jobs/$f.jsonl" "${model[@]}" --throughput "${BPLD_ROWS:-8,32}" --jobs-total 256 \
       --max-tokens 128 --throughput-drafts pld,none --pld-in-batch ${BPLD_FLAGS:-} --out "$R/bpld_${m}_${f}.json"
   done
+}
+
+stage_proj() {  # issue 8: the few-row projection kernel (CUDA tests stop the call if they fail), against MLX's matmul
+  step proj_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_projection.py || return 1
+  step proj_0.5b 150 python3 bench/projection_probe.py --shape qwen2.5-0.5b --rows 2,8,16,32 --out "$R/proj_0.5b.json"
+  step proj_7b 200 python3 bench/projection_probe.py --shape qwen2.5-7b --rows 8,32 --reps 2 --out "$R/proj_7b.json"
+}
+
+stage_margin() {  # batched PLD's CUDA float32 divergence: MLX's TF32 matmuls on and off, then the exactness tests
+  MLX_ENABLE_TF32=1 step margin_tf32 120 python3 bench/batch_pld_margin.py --out "$R/margin_tf32.json"
+  MLX_ENABLE_TF32=0 step margin_fp32 120 python3 bench/batch_pld_margin.py --out "$R/margin_fp32.json"
+  step bpld_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_batch_pld.py -k "equals_plain or short_attention"
+}
+
+stage_tp05edits() {  # issue 8: the 0.5B shape on both job files
+  step tp_0.5b_edits 240 $BG jobs/edits.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_edits.json"
+  stage_tp05
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
