@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -282,6 +282,17 @@ stage_tp05edits() {  # issue 8: the 0.5B shape on both job files
   step tp_0.5b_edits 240 $BG jobs/edits.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_edits.json"
   stage_tp05
+}
+
+stage_matrix() {  # issue 8: rows of the measurement matrix not run on the current code
+  step tp_7b_edits 200 $BG jobs/edits.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b_edits.json"
+  step tp_0.5b_b1 150 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 1 \
+    --jobs-total 48 --max-tokens 128 --out "$R/throughput_0.5b_b1.json"
+  step tp_0.5b_auto 120 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput auto \
+    --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_auto.json"
+  step tp_demo_freeform 120 $BG jobs/freeform.jsonl --model "$DEMO" --throughput 8,32,auto --jobs-total 256 \
+    --max-tokens 128 --out "$R/throughput_demo_freeform.json"
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
