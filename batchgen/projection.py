@@ -1,14 +1,14 @@
 """A batch step's projections, y = x @ w.T (+ bias) for a few rows, on tensor cores (CUDA).
 
 A batched decode step multiplies a handful of rows (one token per job) by
-every weight matrix of the model, so its time is the time to read the
-weights. MLX hands these products to cuBLASLt, which reads the 7B shape's
-matrices at 0.8-3.4 TB/s at 8 rows on an H200 and spends host time on each
-call (a descriptor, a heuristic query, a captured launch), ~20-30 us a link
-of a dependent chain (bench/results/2026-11-30-h200-s). This kernel is
-written for the shape: each block owns 16 or 32 consecutive weight rows (outputs),
-its warps split K, and every load is 16 bytes wide, weights straight from
-memory into `mma.sync` fragments.
+every weight matrix of the model. For a small model each product is bound by
+its launch: MLX hands it to cuBLASLt, which spends host time on every call (a
+descriptor, a heuristic query, a captured launch). This kernel, written for
+the shape, launches for less (0.5B shape, 8 rows, H200: 11-14 us a product
+against 15-18; a step of an 8-row run 3.63 -> 2.91 ms). Each block owns 16 or
+32 consecutive weight rows (outputs), its warps split K, and every load is 16
+bytes wide, weights straight from memory into `mma.sync` fragments. Large
+weights stay with cuBLASLt, which reads them faster one product after another.
 
 The fragment trick: m16n8k16's A fragment wants, per lane (group g = lane/4,
 t = lane%4), row g's k pairs {2t, 2t+1} and {2t+8, 2t+9}; a 16-byte load
@@ -130,7 +130,7 @@ _kernel: list = []
 
 def takes(x: mx.array, w: mx.array) -> bool:
     """Whether `project(x, w)` runs the kernel: CUDA, bf16, x (rows, K) with
-    rows <= MAX_ROWS, w (N, K) with K and N multiples of 32."""
+    rows <= MAX_ROWS, w (N, K) of at most MAX_WEIGHT_BYTES, K and N multiples of 32."""
     if x.ndim != 2 or w.ndim != 2 or x.dtype != mx.bfloat16 or w.dtype != mx.bfloat16:
         return False
     (rows, k), (n, wk) = x.shape, w.shape

@@ -11,8 +11,9 @@ token per row none of that is needed:
 
 - activations are (rows, hidden);
 - projections read weights transposed once, when the step is made (an
-  evaluated `.T` view: no copy, no primitive per call), or on CUDA go through
-  `projection`'s few-row tensor-core kernel (bf16, up to 32 rows);
+  evaluated `.T` view: no copy, no primitive per call), or on CUDA, where the
+  weight is small and the rows few, through `projection`'s tensor-core kernel
+  (its launch costs less than cuBLASLt's);
 - RoPE runs once over the fused q|k|v output viewed as (rows, heads, 1, D):
   v's rotation is computed and never read, which costs less than slicing q and
   k out (a strided slice is copied before a kernel reads it);
