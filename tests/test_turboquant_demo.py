@@ -1,7 +1,8 @@
 """TurboQuant on the bundled demo model (float32 on the CPU) against the
 full-precision cache and mlx-lm's own 4-bit KV cache: teacher-forced perplexity of
-the expected answers of edit jobs, and the bytes each cache holds. (Greedy-output
-agreement is measured by bench/turboquant_demo_quality.py.)"""
+the expected answers of edit jobs, greedy outputs against the full cache's, and the
+bytes each cache holds. (bench/turboquant_demo_quality.py measures more jobs and
+variants.)"""
 
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from batchgen import turboquant as tq
@@ -26,38 +28,82 @@ def _restore_stock_attention():
 
 
 @pytest.fixture(scope="module")
-def measured():
-    """Per cache: answer perplexity and total bytes held after each job's answer, over
-    every 30th edit job (one of each kind; answers of 70 to 360 tokens)."""
+def demo():
+    """(model in float32, tokenizer, system prompt, edit jobs)."""
     model, tokenizer = load(str(DEMO_MODEL_DIR))
     model.set_dtype(mx.float32)
     lines = [json.loads(line) for line in (JOBS / "edits.jsonl").read_text().splitlines()]
-    system, jobs = lines[0]["batchgen"]["system"], lines[1:][::30]
+    return model, tokenizer, lines[0]["batchgen"]["system"], lines[1:]
+
+
+def caches(model) -> dict:
+    """The three caches compared: full precision, mlx-lm's 4-bit (group 32, the demo's head_dim), TurboQuant 4-bit."""
+    layers = len(model.layers)
+    return {
+        "full": lambda: [KVCache() for _ in range(layers)],
+        "mlx4": lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in range(layers)],
+        "tq4": lambda: tq.make_turboquant_cache(model, 4),
+    }
+
+
+def prompt(tokenizer, system: str, job: dict) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "system", "content": system}] + job["messages"],
+                                         add_generation_prompt=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def measured(demo):
+    """Per cache: answer perplexity and total bytes held after each job's answer, over
+    every 30th edit job (one of each kind; answers of 70 to 360 tokens)."""
+    model, tokenizer, system, jobs = demo
     answers = {}
     for line in (JOBS / "answers" / "edits.jsonl").read_text().splitlines():
         row = json.loads(line)
         answers[row["id"]] = row["answer"]
-    layers = len(model.layers)
-    caches = {
-        "full": lambda: [KVCache() for _ in range(layers)],
-        "mlx4": lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in range(layers)],  # head_dim 32
-        "tq4": lambda: tq.make_turboquant_cache(model, 4),
-    }
     eos = min(tokenizer.eos_token_ids)
-    out = {name: {"nll": 0.0, "bytes": 0} for name in caches}
+    makers = caches(model)
+    out = {name: {"nll": 0.0, "bytes": 0} for name in makers}
     count = 0
-    for job in jobs:
-        messages = [{"role": "system", "content": system}] + job["messages"]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    for job in jobs[::30]:
         answer = tokenizer.encode(answers[job["id"]], add_special_tokens=False) + [eos]
         count += len(answer)
-        for name, make in caches.items():
+        for name, make in makers.items():
             cache = make()
-            out[name]["nll"] += answer_nll(model, prompt, answer, cache)
+            out[name]["nll"] += answer_nll(model, prompt(tokenizer, system, job), answer, cache)
             out[name]["bytes"] += sum(c.nbytes for c in cache)
     for row in out.values():
         row["ppl"] = float(np.exp(row["nll"] / count))
     return out
+
+
+def greedy(model, tokenizer, ids: list[int], cache: list, max_tokens: int) -> list[int]:
+    out = []
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens, prompt_cache=cache):
+        out.append(int(token))
+        if out[-1] in tokenizer.eos_token_ids:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def agreement(demo):
+    """Per cache: the mean fraction of each greedy output (up to 96 tokens) before its
+    first difference from the full cache's, the outputs identical to it, and the
+    bytes held, over every 15th edit job (eight jobs, two of each kind)."""
+    model, tokenizer, system, jobs = demo
+    makers = caches(model)
+    out = {name: {"prefix": [], "identical": 0, "bytes": 0} for name in makers}
+    for job in jobs[::15]:
+        ids, ref = prompt(tokenizer, system, job), None
+        for name, make in makers.items():
+            cache = make()
+            got = greedy(model, tokenizer, ids, cache, 96)
+            ref = got if ref is None else ref  # "full" comes first
+            parted = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            out[name]["prefix"].append(1.0 if got == ref else parted / len(ref))
+            out[name]["identical"] += got == ref
+            out[name]["bytes"] += sum(c.nbytes for c in cache)
+    return {name: {**row, "prefix": float(np.mean(row["prefix"]))} for name, row in out.items()}
 
 
 def test_turboquant_perplexity_within_one_percent_of_full(measured):
@@ -67,3 +113,11 @@ def test_turboquant_perplexity_within_one_percent_of_full(measured):
 
 def test_turboquant_holds_no_more_bytes_than_mlx_4bit(measured):
     assert measured["tq4"]["bytes"] <= measured["mlx4"]["bytes"] < measured["full"]["bytes"]
+
+
+def test_turboquant_greedy_outputs_at_least_as_close_as_mlx_4bit(agreement):
+    ours, theirs = agreement["tq4"], agreement["mlx4"]
+    assert agreement["full"]["identical"] == 8  # the reference is the reference
+    assert ours["identical"] >= theirs["identical"], agreement
+    assert ours["prefix"] >= theirs["prefix"], agreement
+    assert ours["bytes"] <= theirs["bytes"], agreement
