@@ -2,12 +2,13 @@
 with mlx-lm's affine 4-bit cache (group 32: the demo's head_dim) against the
 full-precision cache, and the teacher-forced perplexity of the expected answers.
 
-    python bench/turboquant_demo_quality.py [N_JOBS] [VARIANT,VARIANT,...]
+    python bench/turboquant_demo_quality.py [--jobs N] [--every K] [--variants A,B] [--out F]
 
-Prints one line per job and a summary (also written to
-bench/results/turboquant_demo_quality.json).
+Prints one line per job and a summary (also written to --out, by default
+bench/results/turboquant_demo_quality.json). --every K takes every K-th edit job
+(all four kinds) instead of the first N (the first 30 are renames).
 """
-import json, sys, time
+import argparse, json, sys, time
 from pathlib import Path
 import mlx.core as mx
 import numpy as np
@@ -19,11 +20,17 @@ sys.path.insert(0, str(ROOT))
 from batchgen import turboquant as tq
 from batchgen.bench import answer_nll
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 24
+ap = argparse.ArgumentParser()
+ap.add_argument('--jobs', type=int, default=24)
+ap.add_argument('--every', type=int, default=0)
+ap.add_argument('--variants', default='')
+ap.add_argument('--out', type=Path, default=ROOT / 'bench' / 'results' / 'turboquant_demo_quality.json')
+args = ap.parse_args()
 model, tok = load(str(ROOT / 'batchgen' / 'demo'))
 model.set_dtype(mx.float32)
 lines = [json.loads(l) for l in open(ROOT / 'jobs' / 'edits.jsonl')]
-hdr, jobs = lines[0]['batchgen'], lines[1:1 + N]
+hdr = lines[0]['batchgen']
+jobs = lines[1:][::args.every] if args.every else lines[1:1 + args.jobs]
 answers = {json.loads(l)['id']: json.loads(l)['answer'] for l in open(ROOT / 'jobs' / 'answers' / 'edits.jsonl')}
 L = len(model.layers)
 
@@ -40,8 +47,8 @@ VARIANTS = {
     'tq4_k4v4_w16s8': lambda: tq.make_turboquant_cache(model, 4, key_bits=4, value_bits=4, window=16, sink_tokens=8),
     'tq3_default': lambda: tq.make_turboquant_cache(model, 3),
 }
-if len(sys.argv) > 2:
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k in sys.argv[2].split(',') or k == 'fp32'}
+if args.variants:
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k in args.variants.split(',') or k == 'fp32'}
 
 def greedy(ids, cache, n):
     out = []
@@ -82,4 +89,4 @@ for k, s in summary.items():
     s['ppl_vs_full'] = round(s['answer_ppl'] / fp['answer_ppl'], 5)
     print(k, s)
 print('seconds', round(time.time() - t0, 1))
-json.dump(summary, open(ROOT / 'bench' / 'results' / 'turboquant_demo_quality.json', 'w'), indent=2)
+json.dump(summary, open(args.out, 'w'), indent=2)
