@@ -123,6 +123,6 @@ def test_turboquant_batch_step_kernels_compile(tmp_path, dtype, dim, bits):
 def test_projection_kernel_compiles(tmp_path, rows, n, bias):
     from batchgen import projection as P
 
-    inputs = [(n, "bf16") for n in P.INPUTS]
-    outputs = [(n, "bf16") for n in P.OUTPUTS]
+    inputs = [(name, "bf16") for name in P.INPUTS]
+    outputs = [(name, "bf16") for name in P.OUTPUTS]
     compiles(tmp_path, wrapped("p", P.HEADER, P.SOURCE, inputs, outputs, P.template(rows, n, bias)))
