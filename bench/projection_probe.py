@@ -17,6 +17,7 @@ what the kernel is worth.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -58,23 +59,29 @@ def _us(fn, ws: list, x: mx.array, reps: int) -> float:
     return (time.perf_counter() - start) * 1e6 / (reps * len(ws))
 
 
+@contextlib.contextmanager
+def limits(max_rows: int, max_bytes: int):
+    """`projection`'s limits set to these for a while."""
+    keep = projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES
+    projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES = max_rows, max_bytes
+    try:
+        yield
+    finally:
+        projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES = keep
+
+
 def products(model, rows: int, reps: int) -> list:
     out = []
-    ways = {"matmul_t": None, "kernel": projection.project}
     for name, ws in weights(model).items():
         n, k = ws[0].shape
         x = mx.random.normal((rows, k), key=mx.random.key(rows)).astype(mx.bfloat16)
         want = x.astype(mx.float32) @ ws[0].astype(mx.float32).T
-        row = {"proj": name, "rows": rows, "n": n, "k": k, "takes": projection.takes(x, ws[0])}
-        for way, fn in ways.items():
-            if way == "kernel" and not row["takes"]:
-                continue
-            if way == "matmul_t":  # as step_forward holds them: evaluated `.T` views
-                views = [w.T for w in ws]
-                mx.eval(views)
-                fn, args = (lambda x, v: x @ v), views
-            else:
-                args = ws
+        with limits(SWEEP_ROWS, 1 << 62):
+            row = {"proj": name, "rows": rows, "n": n, "k": k, "takes": projection.takes(x, ws[0])}
+        views = [w.T for w in ws]  # as step_forward holds them: evaluated `.T` views
+        mx.eval(views)
+        ways = [("matmul_t", lambda x, v: x @ v, views)] + [("kernel", projection.project, ws)] * row["takes"]
+        for way, fn, args in ways:
             us = _us(fn, args, x, reps)
             got = fn(x, args[0]).astype(mx.float32)
             row[f"{way}_us"] = round(us, 2)
@@ -85,7 +92,9 @@ def products(model, rows: int, reps: int) -> list:
     return out
 
 
-LIMITS = {"plain": (0, 0), "under_48mb": (32, 48 << 20), "under_300mb": (32, 300 << 20), "all": (32, 1 << 62)}
+SWEEP_ROWS = 32  # rows up to which the sweep gives products to the kernel (four column tiles)
+LIMITS = {"plain": (0, 0), "under_48mb": (SWEEP_ROWS, 48 << 20), "under_300mb": (SWEEP_ROWS, 300 << 20),
+          "all": (SWEEP_ROWS, 1 << 62)}  # fmt: skip
 
 
 def steps(model, rows: int, context: int, n: int) -> dict:
@@ -95,14 +104,12 @@ def steps(model, rows: int, context: int, n: int) -> dict:
     cache = _filled(model, rows, context, True, True)
     row = {"rows": rows, "context": context}
     logits = {}
-    keep = projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES
-    for label, (max_rows, max_bytes) in LIMITS.items():
-        projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES = max_rows, max_bytes
-        row[f"{label}_ms"] = round(_compiled_steps(model, cache, rows, n), 3)
-        stepper = CompiledSteps(model, cuda_available(), {}, True)
-        step = stepper([copy.copy(c) for c in cache], mx.zeros((rows,), mx.uint32), sample=True)
-        logits[label] = step[1].astype(mx.float32)
-    projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES = keep
+    for label, limit in LIMITS.items():
+        with limits(*limit):
+            row[f"{label}_ms"] = round(_compiled_steps(model, cache, rows, n), 3)
+            stepper = CompiledSteps(model, cuda_available(), {}, True)
+            step = stepper([copy.copy(c) for c in cache], mx.zeros((rows,), mx.uint32), sample=True)
+            logits[label] = step[1].astype(mx.float32)
     plain = logits["plain"]
     row["logits_rel_diff"] = max(round((mx.abs(plain - v).max() / mx.abs(plain).max()).item(), 5)
                                  for v in logits.values())  # fmt: skip
