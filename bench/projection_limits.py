@@ -7,12 +7,15 @@ side-by-side runs (`batchgen.projection`'s MAX_ROWS and MAX_WEIGHT_BYTES):
 """
 
 import sys
+from pathlib import Path
 
-from batchgen import projection
+sys.path.insert(0, str(Path(__file__).parent))
 
-projection.MAX_ROWS = int(sys.argv[1])
-projection.MAX_WEIGHT_BYTES = int(float(sys.argv[2]) * (1 << 20))
-sys.argv = ["batchgen"] + sys.argv[3:]
+from projection_probe import limits  # noqa: E402
+
 from batchgen.cli import main  # noqa: E402
 
-main()
+max_rows, max_bytes = int(sys.argv[1]), int(float(sys.argv[2]) * (1 << 20))
+sys.argv = ["batchgen"] + sys.argv[3:]
+with limits(max_rows, max_bytes):
+    main()

@@ -38,6 +38,11 @@ from batchgen.fusion import fuse_model  # noqa: E402
 from batchgen.turboquant_kernels import available as cuda_available  # noqa: E402
 
 
+SWEEP_ROWS = 32  # rows up to which the sweep gives products to the kernel (four column tiles)
+LIMITS = {"plain": (0, 0), "under_48mb": (SWEEP_ROWS, 48 << 20), "under_300mb": (SWEEP_ROWS, 300 << 20),
+          "all": (SWEEP_ROWS, 1 << 62)}  # fmt: skip
+
+
 def weights(model) -> dict:
     """name -> [one (N, K) weight per layer] (the head: once)."""
     layers = model.model.layers
@@ -90,11 +95,6 @@ def products(model, rows: int, reps: int) -> list:
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
-
-
-SWEEP_ROWS = 32  # rows up to which the sweep gives products to the kernel (four column tiles)
-LIMITS = {"plain": (0, 0), "under_48mb": (SWEEP_ROWS, 48 << 20), "under_300mb": (SWEEP_ROWS, 300 << 20),
-          "all": (SWEEP_ROWS, 1 << 62)}  # fmt: skip
 
 
 def steps(model, rows: int, context: int, n: int) -> dict:
