@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -296,12 +296,14 @@ stage_matrix() {  # issue 8: rows of the measurement matrix not run on the curre
 }
 
 stage_ncu() {  # issues 7 / 8: GPU time of each kernel of one step (Nsight Compute; bench/kernel_profile.py)
-  local ncu spec name
+  local ncu spec name specs
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
   step ncu_version 30 "$ncu" --version || return 1
-  for spec in "step --shape qwen2.5-7b --rows 8" "step --shape qwen2.5-7b --rows 32" \
-      "tq --shape 7b --context 32768" "tq --shape 0.5b --context 32768" \
-      "tqbatch --shape qwen2.5-0.5b --rows 32 --context 1024" "step --shape qwen2.5-0.5b --rows 32"; do
+  # NCU_SPECS: kernel_profile.py arguments, runs separated by ';'
+  IFS=';' read -r -a specs <<<"${NCU_SPECS:-step --shape qwen2.5-7b --rows 8;step --shape qwen2.5-7b --rows 32;\
+tq --shape 7b --context 32768;tq --shape 0.5b --context 32768;tqbatch --shape qwen2.5-0.5b --rows 32 --context 1024;\
+step --shape qwen2.5-0.5b --rows 32}"
+  for spec in "${specs[@]}"; do
     name=ncu_$(echo "$spec" | tr -c 'a-z0-9.\n' '_' | tr -s '_')
     step "$name" 200 "$ncu" --profile-from-start off --clock-control none --cache-control none \
       --metrics gpu__time_duration.sum --csv --page raw --print-units base --log-file "$R/$name.csv" \
@@ -309,6 +311,12 @@ stage_ncu() {  # issues 7 / 8: GPU time of each kernel of one step (Nsight Compu
     python3 bench/kernel_profile.py summary "$R/$name.csv" >>"$R/ncu_summary.txt" 2>&1
     tail -n 12 "$R/ncu_summary.txt"
   done
+}
+
+stage_attn() {  # issue 8: the grouped attention kernels' CUDA tests (stop the call if they fail)
+  step attn_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py \
+    tests/test_step_forward.py "tests/test_turboquant_batch.py::test_step_attention_reads_what_a_cache_alone_reads" \
+    -x || return 1
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call

@@ -11,8 +11,8 @@ TurboQuant step-mode attention over every layer (update_and_fetch + attention),
 then mx.fast attention over an fp16 cache of the same context for every layer.
 `tqbatch`: the compiled step over TurboQuant rows of `context` tokens.
 
-Only the profiled range (one step, between cuProfilerStart and cuProfilerStop) is
-measured; before it, the same step's wall time is taken pipelined (ms a step, no
+Only the profiled range (one step, or `--steps`, between cuProfilerStart and
+cuProfilerStop) is measured; before it, the same step's wall time is taken pipelined (ms a step, no
 profiler range open) and printed. `summary` sums the CSV's kernel times by family
 (the kernel name up to its first '<' or '('), largest first, in us.
 """
@@ -45,7 +45,7 @@ def _profiled(fn) -> None:
     cuda.cuProfilerStop()
 
 
-def batch_step(shape: str, rows: int, context: int) -> None:
+def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
     import mlx.core as mx
     from batch_step import _compiled_steps, _filled
 
@@ -65,7 +65,7 @@ def batch_step(shape: str, rows: int, context: int) -> None:
     for _ in range(3):
         y = stepper(cache, y, sample=False)[0].astype(mx.uint32)
         mx.eval(y)
-    _profiled(lambda: mx.eval(stepper(cache, y, sample=False)[0]))
+    _profiled(lambda: [mx.eval(stepper(cache, y, sample=False)[0]) for _ in range(steps)])
 
 
 def tq_step(shape: str, context: int) -> None:
@@ -125,7 +125,7 @@ def summary(path: Path) -> None:
     reader = csv.DictReader(lines[start:])
     units = next(reader)  # the units row
     key = "gpu__time_duration.sum"
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[units[key]]
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[units[key]]
     totals, counts = defaultdict(float), defaultdict(int)
     for row in reader:
         fam = family(row["Kernel Name"])
@@ -144,11 +144,12 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen2.5-0.5b")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=1, help="step: steps in the profiled range")
     a = ap.parse_args()
     if a.mode == "summary":
         summary(a.path)
     elif a.mode == "step":
-        batch_step(a.shape, a.rows, a.context)
+        batch_step(a.shape, a.rows, a.context, a.steps)
     elif a.mode == "tq":
         tq_step(a.shape, a.context)
     else:
