@@ -129,241 +129,103 @@ def uninstall_short_attention(model) -> None:
 
 # ---------------------------------------------------------------------------
 # One-query attention over a left-padded batch cache (CUDA)
-#
-# A block per (row, kv head, chunk of positions) serves the group's query
-# heads (up to 16; more take several blocks), so each key and value is read
-# once for all of them. A block per query head read them G times, its warps
-# one position after another with a load each in flight; 46 us a layer for 8
-# rows of <= 512 tokens on the 7B shape, a fifth of the step (Nsight Compute,
-# H200). Per tile of TILE positions:
-#   * the tile's keys and values go to shared memory in 16-byte asynchronous
-#     copies, all in flight at once (rows padded so that no two threads of a
-#     load phase meet in one bank);
-#   * P = NT / TILE threads score a position against the scaled queries
-#     (shared memory, coordinate-major, heads padded to GP: a coordinate's
-#     values are GP / 4 float4 loads), each 1/P of its 16-byte pieces;
-#   * an online softmax per head, a warp per head;
-#   * thread (i, grp) adds coordinate i of every K-th value, weighted, into
-#     a sum per head (K = NT / D groups of D threads).
-# A row's positions are split into C chunks so that short batches still fill
-# the GPU; with C > 1 each block leaves its (sums, max, total) per head in
-# `scratch`, and the last block of its (row, kv head, heads) to finish (a
-# counter each in `scratch`, reset by that block) combines them, so the step
-# stays one launch. `scratch` is one zeroed buffer kept between launches (an
-# input, not an output: no allocation, no fill, fewer arguments a launch, whose
-# host cost bounds a small model's step).
 
-GROUP_HEADER = """
-__device__ __forceinline__ void bg_chunk(const float* p, float* x) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-}
-__device__ __forceinline__ void bg_chunk(const __nv_bfloat16* p, float* x) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+_DECODE_WARPS = 16
+_DECODE_UNROLL = 4
+
+# One block per (row, query head) `bh`; QP points at its query. Its warps take the keys from the row's
+# first real position (left_padding[b]) to the last, UNROLL at a time (their
+# loads in flight together: one key after another would wait on memory
+# latency), each warp with an online softmax (running max m, sum l, weighted
+# values acc), merged at the end through shared memory. A lane holds D / 32 of
+# the head's coordinates. KEY(j) / VAL(j) point at position j's vectors; the
+# two kernels below differ only in where positions live.
+_ATTEND_BODY = """
+  constexpr int PER = D / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float sc = scale[0];
+  float qr[PER], acc[PER];
   #pragma unroll
-  for (int e = 0; e < 4; e++) { const float2 f = __bfloat1622float2(h[e]); x[2 * e] = f.x; x[2 * e + 1] = f.y; }
-}
-__device__ __forceinline__ void bg_chunk(const __half* p, float* x) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-  #pragma unroll
-  for (int e = 0; e < 4; e++) { const float2 f = __half22float2(h[e]); x[2 * e] = f.x; x[2 * e + 1] = f.y; }
-}
-// 16 bytes global -> shared without a register stop (sm_80+: cp.async), then the wait for all.
-__device__ __forceinline__ void bg_copy16(void* dst, const void* src) {
-#if __CUDA_ARCH__ >= 800
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" ::"r"(to), "l"(src));
-#else
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-#endif
-}
-__device__ __forceinline__ void bg_copy_wait() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;\\n" ::);
-#endif
-}
-// acc[g] += w[g] * x for the GP (a multiple of 4) values at w (16-byte aligned shared memory).
-template <int GP>
-__device__ __forceinline__ void bg_fma4(float* acc, const float* w, float x) {
-  #pragma unroll
-  for (int g = 0; g < GP; g += 4) {
-    const float4 y = *reinterpret_cast<const float4*>(w + g);
-    acc[g] += y.x * x;
-    acc[g + 1] += y.y * x;
-    acc[g + 2] += y.z * x;
-    acc[g + 3] += y.w * x;
+  for (int i = 0; i < PER; i++) {
+    qr[i] = static_cast<float>(QP[lane * PER + i]) * sc;
+    acc[i] = 0.0f;
   }
-}
-"""
-
-# Block (unit = (row b, kv head hk, heads hg), chunk c); C = the grid's chunks
-# per unit (B from left_padding's shape). Query heads h0 .. h0 + gn - 1. The
-# sources below define QP(g) (query head h0 + g of row b) and KEY / VAL /
-# start / stop.
-_GROUP_COMMON = """
-  constexpr int G = HQ / HKV, GB = G < 16 ? G : 16, HG = (G + GB - 1) / GB;
-  const int C = gridDim.x / (left_padding_shape[0] * HKV * HG);
-  const int unit = blockIdx.x / C, c = blockIdx.x % C, nb = unit / HG, hg = unit % HG;
-  const int b = nb / HKV, hk = nb % HKV, h0 = hk * G + hg * GB, gn = min(GB, G - hg * GB);
-  const size_t row = (size_t)nb;
-  #define OWNS_WINDOW (c == 0 && hg == 0)
-"""
-
-_GROUP_BODY = """
-  constexpr int NT = D > 128 ? D : 128, K = NT / D, GP = (GB + 3) / 4 * 4, E = D + 2;
-  constexpr int TB = sizeof(k[0]), EPC = 16 / TB, CR = D / EPC, P = NT / TILE, RSB = D * TB + 16 * P;
-  static_assert((K - 1) * GB * D * 4 <= 2 * TILE * RSB, "the groups' sums fit the tile's memory");
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  __shared__ __align__(16) unsigned char kvs[2 * TILE * RSB];
-  __shared__ __align__(16) float qs[D * GP];
-  __shared__ __align__(16) float sc[TILE * GP];
-  __shared__ float fm[GP], fl[GP], fc[GP];
-  __shared__ bool last;
-  const float scl = scale[0];
-  for (int t = tid; t < D * GP; t += NT) {
-    const int g = t % GP, d = t / GP;
-    qs[t] = g < gn ? static_cast<float>(QP(g)[d]) * scl : 0.0f;
-  }
-  if (tid < GP) { fm[tid] = -INFINITY; fl[tid] = 0.0f; }
-  const int span = (stop - start + C - 1) / C, lo = start + c * span, hi = min(stop, lo + span);
-  const int i = tid % D, grp = tid / D, pos = tid / P, piece = tid % P;
-  const auto* ks = reinterpret_cast<decltype(&k[0])>(kvs);
-  const auto* vs = reinterpret_cast<decltype(&k[0])>(kvs + TILE * RSB);
-  float acc[GP];
-  #pragma unroll
-  for (int g = 0; g < GP; g++) acc[g] = 0.0f;
-  for (int t0 = lo; t0 < hi; t0 += TILE) {
-    const int n = min(hi - t0, TILE);
-    for (int t = tid; t < 2 * TILE * CR; t += NT) {
-      const int half = t / (TILE * CR), r = (t / CR) % TILE, ch = t % CR;
-      const auto* src = half ? VAL(t0 + r) : KEY(t0 + r);
-      if (r < n) bg_copy16(kvs + (half * TILE + r) * RSB + ch * 16, src + ch * EPC);
-    }
-    bg_copy_wait();
-    __syncthreads();
-    float s[GP];
+  float m = -INFINITY, l = 0.0f;
+  for (int j0 = start + warp * UNROLL; j0 < stop; j0 += WARPS * UNROLL) {
+    float s[UNROLL];
     #pragma unroll
-    for (int g = 0; g < GP; g++) s[g] = 0.0f;
-    if (pos < n) {
-      for (int ch = piece; ch < CR; ch += P) {
-        float x[8];
-        bg_chunk(ks + pos * (RSB / TB) + ch * EPC, x);
+    for (int u = 0; u < UNROLL; u++) {
+      s[u] = 0.0f;
+      if (j0 + u < stop) {
+        const auto* kr = KEY(j0 + u) + lane * PER;
         #pragma unroll
-        for (int e = 0; e < EPC; e++) bg_fma4<GP>(s, qs + (ch * EPC + e) * GP, x[e]);
+        for (int i = 0; i < PER; i++) s[u] += qr[i] * static_cast<float>(kr[i]);
       }
     }
     #pragma unroll
-    for (int o = 1; o < P; o <<= 1) {
+    for (int u = 0; u < UNROLL; u++) {
       #pragma unroll
-      for (int g = 0; g < GP; g++) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
+      for (int o = 16; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
     }
-    if (piece == 0 && pos < n) {
-      #pragma unroll
-      for (int g = 0; g < GP; g += 4)
-        *reinterpret_cast<float4*>(sc + pos * GP + g) = make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
-    }
-    __syncthreads();
-    for (int g = warp; g < gn; g += NT / 32) {  // online softmax, a warp per head
-      float mt = -INFINITY;
-      for (int t = lane; t < n; t += 32) mt = fmaxf(mt, sc[t * GP + g]);
-      #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
-      const float mo = fm[g], mn = fmaxf(mo, mt);
-      float lt = 0.0f;
-      for (int t = lane; t < n; t += 32) {
-        const float e = expf(sc[t * GP + g] - mn);
-        sc[t * GP + g] = e;
-        lt += e;
-      }
-      #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffff, lt, o);
-      __syncwarp();
-      if (lane == 0) {
-        const float f = expf(mo - mn);
-        fc[g] = f;
-        fl[g] = fl[g] * f + lt;
-        fm[g] = mn;
-      }
-    }
-    __syncthreads();
+    float mn = m;
     #pragma unroll
-    for (int g = 0; g < GP; g++) acc[g] *= g < gn ? fc[g] : 0.0f;
-    for (int j = grp; j < n; j += K) bg_fma4<GP>(acc, sc + j * GP, static_cast<float>(vs[j * (RSB / TB) + i]));
-    __syncthreads();
-  }
-  if (K > 1) {  // groups 1.. hand their sums to group 0 through the tile's memory
-    float* red = reinterpret_cast<float*>(kvs);
-    if (grp > 0) {
-      #pragma unroll
-      for (int g = 0; g < GB; g++) red[((grp - 1) * GB + g) * D + i] = acc[g];
-    }
-    __syncthreads();
-    if (grp == 0) {
-      for (int x = 0; x < K - 1; x++) {
+    for (int u = 0; u < UNROLL; u++) if (j0 + u < stop) mn = fmaxf(mn, s[u]);
+    const float corr = expf(m - mn);
+    l *= corr;
+    #pragma unroll
+    for (int i = 0; i < PER; i++) acc[i] *= corr;
+    #pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      if (j0 + u < stop) {
+        const float p = expf(s[u] - mn);
+        const auto* vr = VAL(j0 + u) + lane * PER;
+        l += p;
         #pragma unroll
-        for (int g = 0; g < GB; g++) acc[g] += red[(x * GB + g) * D + i];
+        for (int i = 0; i < PER; i++) acc[i] += p * static_cast<float>(vr[i]);
       }
     }
+    m = mn;
   }
-  auto* ob = out + ((size_t)b * HQ + h0) * D;
-  if (C == 1) {  // the whole row: no partials
-    if (grp == 0) {
-      #pragma unroll
-      for (int g = 0; g < GB; g++) if (g < gn) ob[g * D + i] = acc[g] / fl[g];
-    }
-    return;
-  }
-  // scratch: a counter per unit (gridDim.x / C of them), then each block's partials.
-  int* counter = reinterpret_cast<int*>(const_cast<float*>(scratch)) + unit;
-  float* pb = const_cast<float*>(scratch) + gridDim.x / C + (size_t)unit * C * GB * E;
-  float* pp = pb + (size_t)c * GB * E;
-  if (grp == 0) {
-    #pragma unroll
-    for (int g = 0; g < GB; g++) pp[g * E + i] = acc[g];
-  }
-  if (tid < GB) { pp[tid * E + D] = fm[tid]; pp[tid * E + D + 1] = fl[tid]; }
-  __threadfence();
+  __shared__ float sm[WARPS], sl[WARPS], sacc[WARPS * D];
+  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  #pragma unroll
+  for (int i = 0; i < PER; i++) sacc[warp * D + lane * PER + i] = acc[i];
   __syncthreads();
-  if (tid == 0) last = atomicAdd(counter, 1) == C - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int t = tid; t < gn * D; t += NT) {
-    const int g = t / D, d = t % D;
-    float M = -INFINITY;
-    for (int x = 0; x < C; x++) M = fmaxf(M, __ldcg(pb + (x * GB + g) * E + D));
-    float L = 0.0f, y = 0.0f;
-    for (int x = 0; x < C; x++) {
-      const float* px = pb + (x * GB + g) * E;
-      const float mx_ = __ldcg(px + D), f = mx_ == -INFINITY ? 0.0f : expf(mx_ - M);
-      L += __ldcg(px + D + 1) * f;
-      y += __ldcg(px + d) * f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float mx_ = -INFINITY;
+    for (int w = 0; w < WARPS; w++) mx_ = fmaxf(mx_, sm[w]);
+    float tot = 0.0f, o = 0.0f;
+    for (int w = 0; w < WARPS; w++) {
+      const float f = sm[w] == -INFINITY ? 0.0f : expf(sm[w] - mx_);
+      tot += sl[w] * f;
+      o += sacc[w * D + d] * f;
     }
-    ob[g * D + d] = y / L;
+    out[(size_t)bh * D + d] = tot > 0.0f ? o / tot : 0.0f;
   }
-  if (tid == 0) *counter = 0;
 """
 
 # A BatchKVCache after its update: positions start .. write position - 1 of
 # one buffer (meta: [write position, capacity]).
-_DECODE_SOURCE = _GROUP_COMMON + """
-  #define QP(g) (q + ((size_t)b * HQ + h0 + (g)) * D)
+_DECODE_SOURCE = """
+  const int bh = blockIdx.x;
+  const int b = bh / HQ, hk = (bh % HQ) / (HQ / HKV);
+  #define QP (q + (size_t)bh * D)
   const int start = left_padding[b], stop = meta[0], cap = meta[1];
+  const size_t row = (size_t)b * HKV + hk;
   #define KEY(j) (k + (row * cap + (j)) * D)
   #define VAL(j) (v + (row * cap + (j)) * D)
-""" + _GROUP_BODY
+""" + _ATTEND_BODY
 
 # The compiled step's cache (`compiled_step.StepCache`): positions below
 # `base` in the big buffers k, v; `base` .. `base + used - 1` in the recent
 # window rk, rv; the step's own token (kn, vn) at `base + used`, written into
-# the window's slot `used` on the way (rk_out, rv_out: by one block of each
-# row and key head, OWNS_WINDOW), so that the step writes no big buffer.
+# the window's slot `used` on the way (rk_out, rv_out: by the first query head
+# of each key head), so that the step writes no big buffer.
 WINDOW_PART = """
   const int base = meta[0], used = meta[1], cap = meta[2], W = meta[3];
   const int start = left_padding[b], stop = base + used + 1;
-  if (OWNS_WINDOW) {
+  const size_t row = (size_t)b * HKV + hk;
+  if (h % (HQ / HKV) == 0) {
     for (int i = threadIdx.x; i < W * D; i += blockDim.x) {
       const int slot = i / D;
       const size_t at = row * W * D + i;
@@ -375,23 +237,16 @@ WINDOW_PART = """
 _STEP_PART = WINDOW_PART + """
   #define KEY(j) ((j) < base ? k + (row * cap + (j)) * D : (j) < base + used ? rk + (row * W + (j) - base) * D : KN)
   #define VAL(j) ((j) < base ? v + (row * cap + (j)) * D : (j) < base + used ? rv + (row * W + (j) - base) * D : VN)
-""" + _GROUP_BODY
+""" + _ATTEND_BODY
 
-# A block per (row, query head), as TurboQuant's batch step kernel takes it.
 STEP_HEAD = """
   const int bh = blockIdx.x;
   const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
-  const size_t row = (size_t)b * HKV + hk;
-  #define OWNS_WINDOW (h % (HQ / HKV) == 0)
   #define QP (q + (size_t)bh * D)
-  #define KN (kn + row * D)
-  #define VN (vn + row * D)
+  #define KN (kn + ((size_t)b * HKV + hk) * D)
+  #define VN (vn + ((size_t)b * HKV + hk) * D)
 """
-_STEP_SOURCE = _GROUP_COMMON + """
-  #define QP(g) (q + ((size_t)b * HQ + h0 + (g)) * D)
-  #define KN (kn + row * D)
-  #define VN (vn + row * D)
-""" + _STEP_PART
+_STEP_SOURCE = STEP_HEAD + _STEP_PART
 
 # `step_forward`'s step: q and the new k read from the fused projection after
 # RoPE (`q`: (B, HT, D), HT = HQ + 2 HKV heads: q | k | v, all rotated), the
@@ -400,17 +255,11 @@ _STEP_SOURCE = _GROUP_COMMON + """
 FUSED_STEP_HEAD = """
   const int bh = blockIdx.x;
   const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
-  const size_t row = (size_t)b * HKV + hk;
-  #define OWNS_WINDOW (h % (HQ / HKV) == 0)
   #define QP (q + ((size_t)b * HT + h) * D)
   #define KN (q + ((size_t)b * HT + HQ + hk) * D)
   #define VN (heads + ((size_t)b * HT + HQ + HKV + hk) * D)
 """
-_FUSED_STEP_SOURCE = _GROUP_COMMON + """
-  #define QP(g) (q + ((size_t)b * HT + h0 + (g)) * D)
-  #define KN (q + ((size_t)b * HT + HQ + hk) * D)
-  #define VN (heads + ((size_t)b * HT + HQ + HKV + hk) * D)
-""" + _STEP_PART
+_FUSED_STEP_SOURCE = FUSED_STEP_HEAD + _STEP_PART
 
 
 def batch_decode_supported(queries, cache) -> bool:
@@ -431,9 +280,10 @@ def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_pad
     positions left_padding[b] .. end - 1 of the buffers k, v (B, Hkv, capacity,
     D); `bounds`: int32 [end, capacity]. queries (B, Hq, 1, D) -> (B, Hq, 1, D)
     in the queries' dtype."""
-    inputs = {"k": k, "v": v, "left_padding": left_padding.astype(mx.int32), "meta": bounds}
-    return launch_grouped("batch_decode_attention", _DECODE_SOURCE, queries, k.shape[1], inputs, scale, {},
-                          k.shape[2])[0]  # fmt: skip
+    out = launch("batch_decode_attention", _DECODE_SOURCE, queries, k.shape[1],
+                  {"k": k, "v": v, "left_padding": left_padding.astype(mx.int32), "meta": bounds},
+                  scale, {})  # fmt: skip
+    return out[0]
 
 
 def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> mx.array:
@@ -445,9 +295,8 @@ def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> m
     rk, rv = cache.rkeys, cache.rvalues
     inputs = {"k": cache.keys, "v": cache.values, "rk": rk, "rv": rv, "kn": k_new, "vn": v_new,
               "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
-    out, cache.rkeys, cache.rvalues = launch_grouped("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1],
-                                                     inputs, scale, {"rk_out": rk, "rv_out": rv},
-                                                     _step_columns(cache))  # fmt: skip
+    out, cache.rkeys, cache.rvalues = launch("batch_step_attention", _STEP_SOURCE, queries, rk.shape[1], inputs,
+                                              scale, {"rk_out": rk, "rv_out": rv})  # fmt: skip
     return out
 
 
@@ -461,125 +310,40 @@ def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, sca
     kv_heads = rk.shape[1]
     inputs = {"heads": heads, "k": cache.keys, "v": cache.values, "rk": rk, "rv": rv,
               "left_padding": cache.left_padding.astype(mx.int32), "meta": cache.meta}  # fmt: skip
-    out, cache.rkeys, cache.rvalues = launch_grouped("fused_step_attention", _FUSED_STEP_SOURCE, roped, kv_heads,
-                                                     inputs, scale, {"rk_out": rk, "rv_out": rv},
-                                                     _step_columns(cache), q_heads=roped.shape[1] - 2 * kv_heads,
-                                                     flat=True)  # fmt: skip
+    out, cache.rkeys, cache.rvalues = launch("fused_step_attention", _FUSED_STEP_SOURCE, roped, kv_heads, inputs,
+                                              scale, {"rk_out": rk, "rv_out": rv},
+                                              q_heads=roped.shape[1] - 2 * kv_heads, flat=True)  # fmt: skip
     return out
 
 
-def _step_columns(cache: StepCache) -> int:
-    """Columns a row of the step may hold: the big buffers, the window, the new token."""
-    return cache.keys.shape[2] + cache.rkeys.shape[2] + 1
-
-
-GROUP_BLOCKS = 512  # blocks aimed at per launch: ~4 per SM of an H200
-GROUP_HEADS = 16  # query heads a block serves at most (the kernel's GB)
-_GROUP_SHARED = 46 * 1024  # static shared memory a grouped block may take (48 kB at most)
-
-
-def group_threads(dim: int) -> int:
-    """Threads of a grouped block: 128, or the head size above that."""
-    return max(128, dim)
-
-
-def group_tile(dim: int, itemsize: int, group: int) -> int:
-    """Positions a grouped block holds in shared memory at once: the most (of
-    64, 32, 16, 8) whose keys and values, queries and scores fit.
-
-    >>> group_tile(128, 2, 7), group_tile(128, 2, 16), group_tile(256, 4, 8)
-    (64, 32, 8)
-    """
-    threads, gp = group_threads(dim), -(-min(group, GROUP_HEADS) // 4) * 4
-    for tile in (64, 32, 16, 8):
-        if 2 * tile * (dim * itemsize + 16 * (threads // tile)) + 4 * gp * (dim + tile) <= _GROUP_SHARED:
-            return tile
-    raise ValueError(f"no tile fits a head size of {dim} at {itemsize} bytes")
-
-
-def group_chunks(units: int, columns: int, dim: int) -> int:
-    """Chunks per (row, kv head) of a grouped launch: about GROUP_BLOCKS
-    blocks in all, none shorter than a block's threads, so one short row is one block.
-
-    >>> group_chunks(32, 545, 128)  # 8 rows x 4 kv heads, ~512 columns: 5 chunks
-    5
-    >>> group_chunks(4, 32801, 128)  # one row of 32k: 128 chunks of 257 positions
-    128
-    """
-    return max(1, min(-(-GROUP_BLOCKS // units), -(-columns // group_threads(dim))))
-
-
 _kernels: dict = {}
-_DECODE_WARPS = 16  # `launch`'s blocks: warps, and positions a warp has in flight
-_DECODE_UNROLL = 4
-
-
-def _kernel(name: str, input_names: list, output_names: list, source: str, header: str):
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                                             source=source, header=header)  # fmt: skip
-    return _kernels[name]
-
-
-def _out_shapes(queries: mx.array, n_heads: int, flat: bool, also: dict) -> tuple[list, list]:
-    B, d = queries.shape[0], queries.shape[-1]
-    shapes = [(B, n_heads * d) if flat else (B, n_heads, 1, d)] + [a.shape for a in also.values()]
-    return shapes, [queries.dtype] + [a.dtype for a in also.values()]
 
 
 def launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
            also: dict, q_heads: int | None = None, flat: bool = False, template: tuple = (),
            header: str = "") -> list:  # fmt: skip
-    """Run kernel `name` (a block per row and query head) over q + `inputs` +
-    scale: out (B, q_heads, 1, D) in the queries' dtype (the kernel rounds its
-    float32 sums on the way out, which saves each layer of a step a cast of its
-    own), then each output named in `also`, shaped like its array there.
-    `q_heads`: the query heads, where `queries` holds more heads than that (HT:
-    all of them). `flat`: out as (B, q_heads * D), the same memory (the output
-    projection's input). `template`: constants besides the shapes; `header`:
-    device functions."""
+    """Run kernel `name` over q + `inputs` + scale: out (B, q_heads, 1, D) in
+    the queries' dtype (the kernel rounds its float32 sums on the way out, which
+    saves each layer of a step a cast of its own), then each output named in
+    `also`, shaped like its array there. `q_heads`: the query heads, where
+    `queries` holds more heads than that (HT: all of them). `flat`: out as
+    (B, q_heads * D), the same memory (the output projection's input).
+    `template`: constants besides the shapes; `header`: device functions."""
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=name, input_names=["q", *inputs, "scale"], output_names=["out", *also], source=source,
+            header=header,
+        )  # fmt: skip
     B, all_heads, _, d = queries.shape
     n_heads = q_heads or all_heads
     scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
     threads = 32 * _DECODE_WARPS
-    shapes, dtypes = _out_shapes(queries, n_heads, flat, also)
-    return _kernel(name, ["q", *inputs, "scale"], ["out", *also], source, header)(
+    return _kernels[name](
         inputs=[queries, *inputs.values(), scale_arr],
         template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", _DECODE_WARPS),
                   ("UNROLL", _DECODE_UNROLL), *template],  # fmt: skip
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=shapes,
-        output_dtypes=dtypes,
+        output_shapes=[(B, n_heads * d) if flat else (B, n_heads, 1, d)] + [a.shape for a in also.values()],
+        output_dtypes=[queries.dtype] + [a.dtype for a in also.values()],
     )
-
-
-def launch_grouped(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
-                   also: dict, columns: int, q_heads: int | None = None, flat: bool = False) -> list:  # fmt: skip
-    """`launch` for the grouped kernels (a block per row, kv head, up to
-    GROUP_HEADS of its query heads and chunk of a row's at most `columns`
-    positions; see GROUP_HEADER): the same outputs."""
-    B, all_heads, _, d = queries.shape
-    n_heads = q_heads or all_heads
-    group = n_heads // kv_heads
-    units = B * kv_heads * -(-group // GROUP_HEADS)
-    chunks = group_chunks(units, columns, d)
-    scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
-    shapes, dtypes = _out_shapes(queries, n_heads, flat, also)
-    return _kernel(name, ["q", *inputs, "scale", "scratch"], ["out", *also], source, GROUP_HEADER)(
-        inputs=[queries, *inputs.values(), scale_arr, _scratch(units, min(group, GROUP_HEADS), d)],
-        template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads),
-                  ("TILE", group_tile(d, queries.dtype.size, group))],  # fmt: skip
-        grid=(units * chunks * group_threads(d), 1, 1),
-        threadgroup=(group_threads(d), 1, 1),
-        output_shapes=shapes,
-        output_dtypes=dtypes,
-    )
-
-
-def _scratch(units: int, heads: int, dim: int) -> mx.array:
-    """The grouped kernels' counters (zero between launches: the last block of
-    a unit resets its own) and room for every block's partial sums at the most
-    chunks `group_chunks` gives `units`; one buffer per shape, kept."""
-    most = units * -(-GROUP_BLOCKS // units) * heads * (dim + 2)
-    return constant(("group_scratch", units, most), lambda: mx.zeros((units + most,), mx.float32))

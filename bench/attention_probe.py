@@ -8,9 +8,10 @@ Per (rows, context): `step_ms` = ms a compiled step (pipelined, as the scheduler
 runs it; `batch_step._compiled_steps`) and `kernel_us` = us a launch of
 `batch_decode_attention` over one layer's buffers of the same rows, 4 x layers
 launches queued and evaluated once (GPU time where the launches queue faster
-than they run), for: the shipped kernel; GROUP_BLOCKS = 128 (fewer chunks);
-and, with --baseline, another version of `batchgen/attention.py` (its
-`fused_step_attention` / `batch_decode_attention`), e.g. an earlier commit's.
+than they run, else the host's time a launch), for the shipped kernel and, with
+--baseline, another version of `batchgen/attention.py` (its
+`fused_step_attention` / `batch_decode_attention`, e.g. another commit's: give
+its kernels names of their own, see `attention_baseline.py`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main() -> None:
     install_short_attention(model)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     dim = config["hidden_size"] // heads
-    settings = {"shipped": {}, "blocks_128": {"GROUP_BLOCKS": 128}}
+    settings = {"shipped": {}}
     if a.baseline:
         spec = importlib.util.spec_from_file_location("batchgen.attention_baseline", a.baseline)
         base = importlib.util.module_from_spec(spec)

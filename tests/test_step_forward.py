@@ -10,32 +10,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from batchgen.attention import group_chunks, group_tile, install_short_attention, mark_cache
+from batchgen.attention import install_short_attention, mark_cache
 from batchgen.compiled_step import CompiledSteps
 from batchgen.fusion import fuse_model
 from batchgen.step_forward import _unsupported, make_step_forward
 from mlx_lm.models.cache import BatchKVCache
 
 import tiny
-
-
-def test_group_chunks_fill_the_gpu_with_whole_tiles():
-    # 8 rows x 4 kv heads (7B shape) of ~512 columns: 5 tiles of 128, 160 blocks
-    assert group_chunks(32, 545, 128) == 5
-    # one row of 32k tokens: 128 chunks (512 blocks over its 4 kv heads)
-    assert group_chunks(4, 32801, 128) == 128
-    # 256 rows: one block a row and kv head; a head of 256 takes tiles of 256
-    assert group_chunks(512, 4000, 64) == 1
-    assert group_chunks(2, 1000, 256) == 4 and group_chunks(2, 1025, 256) == 5
-
-
-def test_group_tiles_fit_shared_memory():
-    # bf16 heads of 128 (7B shape): 64 positions (keys and values 36.9 kB with padding)
-    assert group_tile(128, 2, 7) == 64
-    # 16 heads a block need more room for queries and scores: half the tile
-    assert group_tile(128, 2, 16) == group_tile(128, 2, 40) == 32
-    # float32 heads of 256: 8 positions; of 64: 64
-    assert group_tile(256, 4, 8) == 8 and group_tile(64, 4, 7) == 64
 
 
 def _model(model_dir, arch, fuse=True, **kw):
