@@ -46,7 +46,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .attention import mark_cache
 from .batch_pld import BatchDraftPolicy, accepted_prefix, cut_rejected, verify_inputs
-from .compiled_step import CompiledSteps, buffers, held_positions
+from .compiled_step import CompiledSteps, buffers, held_positions, step_layer
 from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
                      pick_first)
 from .entering import start_prompts
@@ -339,7 +339,7 @@ class BatchScheduler:
             return
         index = mx.array(keep)
         for bc in self.cache:
-            _map_buffers(bc, lambda a: a[index], getattr(bc, "ROWS", ()))
+            _map_buffers(bc, lambda a: a[index], step_layer(bc).ROWS)
             bc.offset, bc.left_padding = bc.offset[index], bc.left_padding[index]
         self.stepper.select(index)
         self.pads = [self.pads[i] for i in keep]

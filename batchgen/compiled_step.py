@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 from .step_forward import make_step_forward
 
@@ -134,20 +135,44 @@ def kernel_takes(*arrays) -> bool:
     return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
 
 
-def layer_kind(c) -> tuple | str:
-    """What a batch layer holds, as the step takes it: "fp16" (mlx-lm's
-    `BatchKVCache`) or a TurboQuant batch layer's kind."""
-    return getattr(c, "step_kind", "fp16")
+class Fp16Layer:
+    """The step's view of mlx-lm's `BatchKVCache`: the members a TurboQuant batch
+    layer (`turboquant_batch.TurboQuantBatchLayer`) has itself, so that the step and
+    the scheduler ask the same of either (`step_layer`)."""
+
+    step_kind = "fp16"  # what the step records per layer (TurboQuant's: ("turboquant", layout))
+    BUFFERS = ("keys", "values")  # arrays indexed by column on axis 2
+    ROWS = ()  # arrays indexed by row only
+    layout = None  # TurboQuant's layout (its window sets the step's)
+
+    def __init__(self, cache: BatchKVCache):
+        self.cache = cache
+
+    def step_arrays(self) -> tuple:
+        return self.cache.keys, self.cache.values
+
+    def window_like(self) -> tuple:
+        """(rows, heads, key dim, value dim, dtype) of the layer's window."""
+        k, v = self.cache.keys, self.cache.values
+        return (*k.shape[:2], k.shape[3], v.shape[3], k.dtype)
+
+    def write_window(self, rkeys: mx.array, rvalues: mx.array, n: int) -> None:
+        """The window's first n positions into the buffers at the write position."""
+        c = self.cache
+        c.keys[..., c._idx : c._idx + n, :] = rkeys[..., :n, :]
+        c.values[..., c._idx : c._idx + n, :] = rvalues[..., :n, :]
+        c._idx += n
 
 
-def layer_arrays(c) -> tuple:
-    """A batch layer's arrays as the step takes them."""
-    return c.step_arrays() if hasattr(c, "step_arrays") else (c.keys, c.values)
+def step_layer(c):
+    """A batch layer as the step and the scheduler take it: mlx-lm's
+    `BatchKVCache` through `Fp16Layer`, TurboQuant's batch layer as it is."""
+    return Fp16Layer(c) if isinstance(c, BatchKVCache) else c
 
 
 def buffers(c) -> tuple[str, ...]:
     """Names of a batch layer's arrays indexed by column on axis 2."""
-    return getattr(c, "BUFFERS", ("keys", "values"))
+    return step_layer(c).BUFFERS
 
 
 def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, shared: dict):
@@ -160,15 +185,15 @@ def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, 
 
 def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True, kinds: tuple | None = None,
               compiled: bool = True) -> Callable:  # fmt: skip
-    """The compiled step: (inputs (B,), layers [one tuple of `layer_arrays`
-    per layer], rkeys, rvalues [one per layer], meta, left_padding) ->
+    """The compiled step: (inputs (B,), layers [each layer's `step_arrays()`
+    (`step_layer`)], rkeys, rvalues [one per layer], meta, left_padding) ->
     (greedy tokens (B,), logits (B, vocab) or None, new rkeys, new rvalues).
     `sample_rows`: also return the logits (some rows sample); greedy-only
     batches read back B tokens and nothing more. `kernel`: attention through
     `attention`'s step kernels (CUDA, the hook installed). `own_forward`:
     through `step_forward` where it covers the model (a third of the
     primitives), else the model's own layers. `kinds`: each layer's
-    `layer_kind` (None: fp16). `compiled`: False runs the same step unrecorded."""
+    `step_kind` (None: fp16). `compiled`: False runs the same step unrecorded."""
     forward = make_step_forward(model) if own_forward else None
 
     def step(inputs, layers, rkeys, rvalues, meta, left_padding):
@@ -233,7 +258,7 @@ class CompiledSteps:
     def window_size(cache: list) -> int:
         """Slots of the window: `WINDOW`, or a TurboQuant layer's exact window
         (flushed before any slot would be read from its codes)."""
-        layout = getattr(cache[0], "layout", None)
+        layout = step_layer(cache[0]).layout
         return WINDOW if layout is None else layout.window
 
     def __call__(self, cache: list, inputs: mx.array, sample: bool,
@@ -246,14 +271,15 @@ class CompiledSteps:
             self.flush(cache)
         fit_capacity(cache, self.min_capacity)
         self._ready(cache, window)
-        kinds = tuple(layer_kind(c) for c in cache)
+        views = [step_layer(c) for c in cache]
+        kinds = tuple(v.step_kind for v in views)
         key = (sample, self.kernel, self.own_forward, kinds, self.compiled)
         if key not in self.recorded:
             self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel,
                                            own_forward=self.own_forward, kinds=kinds, compiled=self.compiled)  # fmt: skip
         c0 = cache[0]
         meta = mx.array([c0._idx, self.used, getattr(c0, buffers(c0)[0]).shape[2], window], mx.int32)
-        layers = [layer_arrays(c) for c in cache]
+        layers = [v.step_arrays() for v in views]
         tokens, logits, rkeys, rvalues = self.recorded[key](inputs, layers, self.keys, self.values, meta,
                                                              c0.left_padding)  # fmt: skip
         if check:
@@ -264,10 +290,10 @@ class CompiledSteps:
 
     def _ready(self, cache: list, window: int) -> None:
         """Window buffers of the cache's rows, heads and dtype (new ones where those changed)."""
-        B, H, dk, _, dtype = _window_like(cache[0])
+        B, H, dk, _, dtype = step_layer(cache[0]).window_like()
         shape = (B, H, window)
         if self.keys is None or self.keys[0].shape[:3] != shape or self.keys[0].dtype != dtype:
-            likes = [_window_like(c) for c in cache]
+            likes = [step_layer(c).window_like() for c in cache]
             self.keys = [mx.zeros(shape + (like[2],), like[4]) for like in likes]
             self.values = [mx.zeros(shape + (like[3],), like[4]) for like in likes]
 
@@ -279,12 +305,7 @@ class CompiledSteps:
             return
         fit_capacity(cache, self.min_capacity)
         for c, rk, rv in zip(cache, self.keys, self.values):
-            if hasattr(c, "write_window"):
-                c.write_window(rk, rv, n)
-                continue
-            c.keys[..., c._idx : c._idx + n, :] = rk[..., :n, :]
-            c.values[..., c._idx : c._idx + n, :] = rv[..., :n, :]
-            c._idx += n
+            step_layer(c).write_window(rk, rv, n)
         self.used = 0
 
     def select(self, rows: mx.array) -> None:
@@ -292,10 +313,3 @@ class CompiledSteps:
         if self.keys is not None:
             self.keys = [k[rows] for k in self.keys]
             self.values = [v[rows] for v in self.values]
-
-
-def _window_like(c) -> tuple:
-    """(rows, heads, key dim, value dim, dtype) of a layer's window."""
-    if hasattr(c, "window_like"):
-        return c.window_like()
-    return (*c.keys.shape[:2], c.keys.shape[3], c.values.shape[3], c.keys.dtype)
