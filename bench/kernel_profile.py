@@ -72,15 +72,10 @@ def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
 
 def tq_step(shape: str, context: int) -> None:
     import mlx.core as mx
-    from turboquant_attention import SHAPES, fill, step_s
-
-    from batchgen import turboquant as tq
+    from turboquant_attention import SHAPES, filled_turboquant, step_s
 
     layers, heads, kv_heads, dim = SHAPES[shape]
-    caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
-    for c in caches:
-        c.routed = True
-        fill(c, context, kv_heads, dim, mx.bfloat16)
+    caches = filled_turboquant(layers, context, kv_heads, dim, mx.bfloat16)
     print(f"{shape} context={context} tq_ms_per_step={step_s(caches, 'tq', heads, kv_heads, dim, 20, mx.bfloat16) * 1e3:.3f}")
     q = mx.random.normal((1, heads, 1, dim)).astype(mx.bfloat16)
     k = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)

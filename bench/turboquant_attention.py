@@ -36,6 +36,16 @@ def fill(cache, n: int, kv_heads: int, dim: int, dtype) -> None:
             cache._chunk = None  # no attention reads the fill (it would mark the cache unrouted)
 
 
+def filled_turboquant(layers: int, n: int, kv_heads: int, dim: int, dtype) -> list:
+    """One 4-bit TurboQuant cache a layer, each holding n random positions, routed
+    (step mode where the device has it)."""
+    caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
+    for c in caches:
+        c.routed = True
+        fill(c, n, kv_heads, dim, dtype)
+    return caches
+
+
 def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, dtype) -> float:
     scale = dim**-0.5
     times = []
@@ -65,10 +75,7 @@ def measure(shape: str, n: int, steps: int, dtype) -> dict:
         fill(c, n, kv_heads, dim, dtype)
     row["fp16_ms"] = step_s(fp16, "fp16", heads, kv_heads, dim, steps, dtype) * 1e3
     del fp16
-    caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
-    for c in caches:
-        c.routed = True
-        fill(c, n, kv_heads, dim, dtype)
+    caches = filled_turboquant(layers, n, kv_heads, dim, dtype)
     for name, fused, stepped in (("ops", False, False), ("fused", True, False), ("step", True, True)):
         tq.FUSED_KERNELS, tq.STEP_KERNEL = fused, stepped
         row[f"tq_{name}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3

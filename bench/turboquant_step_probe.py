@@ -23,11 +23,10 @@ import time
 
 import mlx.core as mx
 
-from batchgen import turboquant as tq
 from batchgen import turboquant_kernels as kernels
 
 sys.path.insert(0, "bench")
-from turboquant_attention import SHAPES, fill  # noqa: E402
+from turboquant_attention import SHAPES, filled_turboquant  # noqa: E402
 
 
 def timed_ms(fn, n: int = 30) -> float:
@@ -57,10 +56,7 @@ def build_ms(build, n: int = 30) -> float:
 
 def probe(shape: str, n: int) -> dict:
     layers, heads, kv_heads, dim = SHAPES[shape]
-    caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
-    for c in caches:
-        c.routed = True
-        fill(c, n, kv_heads, dim, mx.bfloat16)
+    caches = filled_turboquant(layers, n, kv_heads, dim, mx.bfloat16)
     q = mx.random.normal((1, heads, 1, dim)).astype(mx.bfloat16)
     k = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)
     mx.eval(q, k)
