@@ -350,6 +350,33 @@ def answer_nll(model, prompt: list[int], answer: list[int], cache: list) -> floa
     return total
 
 
+def greedy_ids(model, prompt: list[int], cache: list, max_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy token ids after `prompt` through mlx-lm's own decode loop over
+    `cache` (a cache under test), up to `max_tokens` or the first of `eos` (kept)."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache):
+        out.append(int(token))
+        if out[-1] in eos:
+            break
+    return out
+
+
+def prefix_agreement(got: list[int], ref: list[int]) -> float:
+    """The fraction of `ref` before `got` first differs from it; 1.0 when equal.
+
+    >>> prefix_agreement([1, 2, 9], [1, 2, 3, 4]), prefix_agreement([1, 2], [1, 2, 3, 4])
+    (0.5, 0.5)
+    >>> prefix_agreement([1, 2], [1, 2])
+    1.0
+    """
+    if got == ref:
+        return 1.0
+    parted = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    return parted / max(len(ref), 1)
+
+
 def divergences(model, prompts: list[list[int]], plain: list[Run], ours: list[Run]) -> list[dict]:
     """Where outputs first differ, and how close plain decoding's top two
     logits were there (a near tie is where rounding decides)."""

@@ -6,6 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from batchgen.bench import prefix_agreement
 from batchgen.cli import main
 
 from test_cli import good_jobs, write_jobs
@@ -148,3 +149,11 @@ def test_bench_applies_the_policy_settings(tmp_path, model):
     assert json.loads(out.read_text())["batchgen"]["pld_policy"] == {"min_plain_tokens": 2, "margin": 1.5}
     r = CliRunner().invoke(main, args[:-1] + ["margin=x"])
     assert r.exit_code != 0 and "--pld-policy" in r.output
+
+
+def test_prefix_agreement_is_the_reference_fraction_before_the_first_difference():
+    assert prefix_agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert prefix_agreement([1, 2], [1, 2, 3, 4]) == 0.5  # stopped early: parted where it stopped
+    assert prefix_agreement([1, 2, 3, 4, 5], [1, 2, 3, 4]) == 1.0  # ran on: all of the reference first
+    assert prefix_agreement([7], [1, 2]) == 0.0
+    assert prefix_agreement([3, 4], [3, 4]) == 1.0 and prefix_agreement([], []) == 1.0

@@ -11,11 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from batchgen import turboquant as tq
-from batchgen.bench import answer_nll
+from batchgen.bench import answer_nll, greedy_ids, prefix_agreement
 from batchgen.config import DEMO_MODEL_DIR
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
@@ -76,15 +75,6 @@ def measured(demo):
     return out
 
 
-def greedy(model, tokenizer, ids: list[int], cache: list, max_tokens: int) -> list[int]:
-    out = []
-    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens, prompt_cache=cache):
-        out.append(int(token))
-        if out[-1] in tokenizer.eos_token_ids:
-            break
-    return out
-
-
 @pytest.fixture(scope="module")
 def agreement(demo):
     """Per cache: the mean fraction of each greedy output (up to 96 tokens) before its
@@ -97,10 +87,9 @@ def agreement(demo):
         ids, ref = prompt(tokenizer, system, job), None
         for name, make in makers.items():
             cache = make()
-            got = greedy(model, tokenizer, ids, cache, 96)
+            got = greedy_ids(model, ids, cache, 96, set(tokenizer.eos_token_ids))
             ref = got if ref is None else ref  # "full" comes first
-            parted = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-            out[name]["prefix"].append(1.0 if got == ref else parted / len(ref))
+            out[name]["prefix"].append(prefix_agreement(got, ref))
             out[name]["identical"] += got == ref
             out[name]["bytes"] += sum(c.nbytes for c in cache)
     return {name: {**row, "prefix": float(np.mean(row["prefix"]))} for name, row in out.items()}
