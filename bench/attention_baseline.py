@@ -11,14 +11,25 @@ give its kernels names of their own if the shipped ones share them.
 
 import importlib.util
 import sys
+from pathlib import Path
 
 from batchgen import attention
-from batchgen.cli import main
 
-spec = importlib.util.spec_from_file_location("batchgen.attention_baseline", sys.argv[1])
-baseline = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(baseline)
-for name in ("fused_step_attention", "batch_step_attention", "batch_decode_attention"):
-    setattr(attention, name, getattr(baseline, name))
-sys.argv = ["batchgen"] + sys.argv[2:]
-main()
+ENTRY_POINTS = ("fused_step_attention", "batch_step_attention", "batch_decode_attention")
+
+
+def load_baseline(path: Path) -> dict:
+    """The baseline file's batch attention entry points, by name."""
+    spec = importlib.util.spec_from_file_location("batchgen.attention_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name: getattr(module, name) for name in ENTRY_POINTS}
+
+
+if __name__ == "__main__":
+    from batchgen.cli import main
+
+    for name, fn in load_baseline(Path(sys.argv[1])).items():
+        setattr(attention, name, fn)
+    sys.argv = ["batchgen"] + sys.argv[2:]
+    main()

@@ -17,7 +17,6 @@ its kernels names of their own, see `attention_baseline.py`).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -29,6 +28,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from attention_baseline import load_baseline  # noqa: E402
 from batch_step import _compiled_steps, _filled  # noqa: E402
 
 from batchgen import attention  # noqa: E402
@@ -84,11 +84,7 @@ def main() -> None:
     dim = config["hidden_size"] // heads
     settings = {"shipped": {}}
     if a.baseline:
-        spec = importlib.util.spec_from_file_location("batchgen.attention_baseline", a.baseline)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
-        settings["baseline"] = {"fused_step_attention": base.fused_step_attention,
-                                "batch_decode_attention": base.batch_decode_attention}  # fmt: skip
+        settings["baseline"] = load_baseline(a.baseline)
     rows_out = []
     for rows in map(int, a.rows.split(",")):
         for context in map(int, a.contexts.split(",")):
