@@ -364,7 +364,8 @@ def greedy_ids(model, prompt: list[int], cache: list, max_tokens: int, eos: set[
 
 
 def prefix_agreement(got: list[int], ref: list[int]) -> float:
-    """The fraction of `ref` before `got` first differs from it; 1.0 when equal.
+    """The fraction of `ref` before `got` first differs from it (1.0 when equal, or
+    when `got` holds all of `ref` and runs on).
 
     >>> prefix_agreement([1, 2, 9], [1, 2, 3, 4]), prefix_agreement([1, 2], [1, 2, 3, 4])
     (0.5, 0.5)
