@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,23 +29,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from attention_baseline import load_baseline  # noqa: E402
 from batch_step import _compiled_steps, _filled  # noqa: E402
+from projection_probe import patched  # noqa: E402
 
 from batchgen import attention  # noqa: E402
 from batchgen.attention import install_short_attention  # noqa: E402
 from batchgen.bench import random_model  # noqa: E402
 from batchgen.fusion import fuse_model  # noqa: E402
-
-
-@contextmanager
-def patched(module, **values):
-    old = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
 
 
 def kernel_us(decode, rows: int, context: int, heads: int, kv_heads: int, dim: int, launches: int) -> float:

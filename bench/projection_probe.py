@@ -65,14 +65,21 @@ def _us(fn, ws: list, x: mx.array, reps: int) -> float:
 
 
 @contextlib.contextmanager
-def limits(max_rows: int, max_bytes: int):
-    """`projection`'s limits set to these for a while."""
-    keep = projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES
-    projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES = max_rows, max_bytes
+def patched(module, **values):
+    """`module`'s attributes set to `values` for a while (tuned constants, entry points)."""
+    keep = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        projection.MAX_ROWS, projection.MAX_WEIGHT_BYTES = keep
+        for name, value in keep.items():
+            setattr(module, name, value)
+
+
+def limits(max_rows: int, max_bytes: int):
+    """`projection`'s limits set to these for a while."""
+    return patched(projection, MAX_ROWS=max_rows, MAX_WEIGHT_BYTES=max_bytes)
 
 
 def products(model, rows: int, reps: int) -> list:
