@@ -28,13 +28,10 @@ from mlx_lm.models.cache import BatchKVCache
 sys.path.insert(0, str(Path(__file__).parent))
 
 from attention_baseline import load_baseline  # noqa: E402
-from batch_step import _compiled_steps, _filled  # noqa: E402
+from batch_step import _compiled_steps, _filled, step_model  # noqa: E402
 from projection_probe import patched  # noqa: E402
 
 from batchgen import attention  # noqa: E402
-from batchgen.attention import install_short_attention  # noqa: E402
-from batchgen.bench import random_model  # noqa: E402
-from batchgen.fusion import fuse_model  # noqa: E402
 
 
 def kernel_us(decode, rows: int, context: int, heads: int, kv_heads: int, dim: int, launches: int) -> float:
@@ -65,9 +62,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another attention.py to time beside the shipped one")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    model, config = random_model(a.shape, "bfloat16", None, 0)
-    fuse_model(model)
-    install_short_attention(model)
+    model, config = step_model(a.shape)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     dim = config["hidden_size"] // heads
     settings = {"shipped": {}}

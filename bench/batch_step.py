@@ -40,6 +40,15 @@ from batchgen.turboquant_kernels import available as cuda_available
 from batchgen.fusion import fuse_model
 
 
+def step_model(shape: str):
+    """(model, config): random bf16 weights of a real shape, projections fused and
+    the attention hook installed, as the scheduler steps a batch."""
+    model, config = random_model(shape, "bfloat16", None, 0)
+    fuse_model(model)
+    install_short_attention(model)
+    return model, config
+
+
 def _filled(model, rows: int, context: int, batch: bool, marked: bool = False, int_offset: bool = False) -> list:
     """Caches with `rows` rows; batch: rows of lengths context/2 .. context, left-padded."""
     layers = len(model.layers)

@@ -12,8 +12,8 @@ then mx.fast attention over an fp16 cache of the same context for every layer.
 `tqbatch`: the compiled step over TurboQuant rows of `context` tokens.
 
 Only the profiled range (one step, or `--steps`, between cuProfilerStart and
-cuProfilerStop) is measured; before it, the same step's wall time is taken pipelined (ms a step, no
-profiler range open) and printed. `summary` sums the CSV's kernel times by family
+cuProfilerStop) is measured; before it, the same step's wall time is taken (ms a step,
+no profiler range open) and printed. `summary` sums the CSV's kernel times by family
 (the kernel name up to its first '<' or '('), largest first, in us, leaving out the
 range's first kernel: under ncu it reads hundreds of us however small it is.
 """
@@ -49,17 +49,12 @@ def _profiled(fn) -> None:
 
 def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
     import mlx.core as mx
-    from batch_step import _compiled_steps, _filled
+    from batch_step import _compiled_steps, _filled, step_model
 
-    from batchgen.attention import install_short_attention
-    from batchgen.bench import random_model
     from batchgen.compiled_step import CompiledSteps
-    from batchgen.fusion import fuse_model
     from batchgen.turboquant_kernels import available
 
-    model, _ = random_model(shape, "bfloat16", None, 0)
-    fuse_model(model)
-    install_short_attention(model)
+    model, _ = step_model(shape)
     cache = _filled(model, rows, context, True, True)
     print(f"{shape} rows={rows} context={context} wall_ms_per_step={_compiled_steps(model, cache, rows, 32):.3f}")
     stepper = CompiledSteps(model, available(), {}, True)
@@ -93,16 +88,10 @@ def tq_step(shape: str, context: int) -> None:
 
 def tq_batch(shape: str, rows: int, context: int) -> None:
     import mlx.core as mx
+    from batch_step import _timed, step_model
     from turboquant_batch_probe import CompiledStepsOnce, turboquant_rows
-    from batch_step import _timed
 
-    from batchgen.attention import install_short_attention
-    from batchgen.bench import random_model
-    from batchgen.fusion import fuse_model
-
-    model, _ = random_model(shape, "bfloat16", None, 0)
-    fuse_model(model)
-    install_short_attention(model)
+    model, _ = step_model(shape)
     cache = turboquant_rows(model, rows, context, 4)
     wall = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, 32)
     print(f"{shape} turboquant rows={rows} context={context} wall_ms_per_step={wall:.3f}")
@@ -124,12 +113,12 @@ def summary(path: Path) -> None:
     key = "gpu__time_duration.sum"
     scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[units[key]]
     totals, counts = defaultdict(float), defaultdict(int)
+    duration_us = lambda row: float(row[key].replace(",", "")) * scale  # noqa: E731
     first = next(reader)  # the marker `_profiled` launches first: its time is the profiler's start
-    print(f"(first kernel of the range, left out: {family(first['Kernel Name'])[:60]}, "
-          f"{float(first[key].replace(',', '')) * scale:.1f} us)")
+    print(f"(first kernel of the range, left out: {family(first['Kernel Name'])[:60]}, {duration_us(first):.1f} us)")
     for row in reader:
         fam = family(row["Kernel Name"])
-        totals[fam] += float(row[key].replace(",", "")) * scale
+        totals[fam] += duration_us(row)
         counts[fam] += 1
     whole = sum(totals.values())
     print(f"{path.name}: {sum(counts.values())} kernels, {whole:.1f} us")

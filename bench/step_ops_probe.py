@@ -26,12 +26,9 @@ import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from batch_step import _compiled_steps, _filled  # noqa: E402
+from batch_step import _compiled_steps, _filled, step_model  # noqa: E402
 
-from batchgen.attention import install_short_attention  # noqa: E402
-from batchgen.bench import random_model  # noqa: E402
 from batchgen.compiled_step import CompiledSteps  # noqa: E402
-from batchgen.fusion import fuse_model  # noqa: E402
 from batchgen.turboquant_kernels import available as cuda_available  # noqa: E402
 
 
@@ -76,9 +73,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="", help="e.g. rope,norm,mlp,all")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    model, _ = random_model(a.shape, "bfloat16", None, 0)
-    fuse_model(model)
-    install_short_attention(model)
+    model, _ = step_model(a.shape)
     result = {"shape": a.shape, "rows": a.rows, "layers": len(model.layers), "device": str(mx.default_device())}
     cache = _filled(model, a.rows, a.context, True, True)
     for own, name in ((False, "model_layers"), (True, "step_forward")):

@@ -26,14 +26,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from batch_step import _compiled_steps, _filled, _timed  # noqa: E402
+from batch_step import _compiled_steps, _filled, _timed, step_model  # noqa: E402
 
 from batchgen import turboquant  # noqa: E402
-from batchgen.attention import install_short_attention  # noqa: E402
-from batchgen.bench import random_model  # noqa: E402
 from batchgen.compiled_step import CompiledSteps, fit_capacity  # noqa: E402
 from batchgen.engine import prefill  # noqa: E402
-from batchgen.fusion import fuse_model  # noqa: E402
 from batchgen.turboquant_batch import TurboQuantBatchLayer, TurboQuantStepCache  # noqa: E402
 from batchgen.turboquant_kernels import available as cuda_available  # noqa: E402
 
@@ -92,9 +89,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    model, _ = random_model(a.shape, "bfloat16", None, 0)
-    fuse_model(model)
-    install_short_attention(model)
+    model, _ = step_model(a.shape)
     out = {"shape": a.shape, "context": a.context, "bits": a.bits, "device": str(mx.default_device()), "rows": {}}
     n_heads = model.layers[0].self_attn.n_heads
     for rows in map(int, a.rows.split(",")):
