@@ -278,7 +278,7 @@ class CompiledSteps:
             self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel,
                                            own_forward=self.own_forward, kinds=kinds, compiled=self.compiled)  # fmt: skip
         c0 = cache[0]
-        meta = mx.array([c0._idx, self.used, getattr(c0, buffers(c0)[0]).shape[2], window], mx.int32)
+        meta = mx.array([c0._idx, self.used, getattr(c0, views[0].BUFFERS[0]).shape[2], window], mx.int32)
         layers = [v.step_arrays() for v in views]
         tokens, logits, rkeys, rvalues = self.recorded[key](inputs, layers, self.keys, self.values, meta,
                                                              c0.left_padding)  # fmt: skip
