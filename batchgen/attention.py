@@ -329,8 +329,9 @@ def launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dic
     `queries` holds more heads than that (HT: all of them). `flat`: out as
     (B, q_heads * D), the same memory (the output projection's input).
     `template`: constants besides the shapes; `header`: device functions."""
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(
+    key = (name, source, header)  # a benchmark may run another version's source under the same name
+    if key not in _kernels:
+        _kernels[key] = mx.fast.cuda_kernel(
             name=name, input_names=["q", *inputs, "scale"], output_names=["out", *also], source=source,
             header=header,
         )  # fmt: skip
@@ -338,7 +339,7 @@ def launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dic
     n_heads = q_heads or all_heads
     scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
     threads = 32 * _DECODE_WARPS
-    return _kernels[name](
+    return _kernels[key](
         inputs=[queries, *inputs.values(), scale_arr],
         template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", _DECODE_WARPS),
                   ("UNROLL", _DECODE_UNROLL), *template],  # fmt: skip

@@ -2,7 +2,7 @@
 the kernel alone, per setting.
 
     python bench/attention_probe.py --shape qwen2.5-7b --rows 8,32 --contexts 512,2048 \
-        [--baseline path/to/attention.py] --out r.json
+        [--baseline path/to/attention.py] [--variant u8:_DECODE_UNROLL=8 ...] --out r.json
 
 Per (rows, context): `step_ms` = ms a compiled step (pipelined, as the scheduler
 runs it; `batch_step._compiled_steps`) and `kernel_us` = us a launch of
@@ -10,8 +10,10 @@ runs it; `batch_step._compiled_steps`) and `kernel_us` = us a launch of
 launches queued and evaluated once (GPU time where the launches queue faster
 than they run, else the host's time a launch), for the shipped kernel and, with
 --baseline, another version of `batchgen/attention.py` (its
-`fused_step_attention` / `batch_decode_attention`, e.g. another commit's: give
-its kernels names of their own, see `attention_baseline.py`).
+`fused_step_attention` / `batch_decode_attention`, e.g. another commit's, see
+`attention_baseline.py`); `--variant
+NAME:ATTR=INT,...` times the shipped kernel with module constants of
+`batchgen/attention.py` set otherwise (`_DECODE_WARPS`, `_DECODE_UNROLL`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def kernel_us(decode, rows: int, context: int, heads: int, kv_heads: int, dim: i
     return min(times) * 1e6 / launches
 
 
+def variant(text: str) -> tuple:
+    """'u8:_DECODE_UNROLL=8,_DECODE_WARPS=8' -> ('u8', {'_DECODE_UNROLL': 8, '_DECODE_WARPS': 8})."""
+    name, _, sets = text.partition(":")
+    values = dict(item.split("=") for item in sets.split(","))
+    unknown = [k for k in values if not hasattr(attention, k)]
+    if not name or unknown:
+        raise argparse.ArgumentTypeError(f"want NAME:ATTR=INT,... of batchgen.attention, got {text!r}")
+    return name, {k: int(v) for k, v in values.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-7b")
@@ -60,12 +72,15 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--baseline", type=Path, help="another attention.py to time beside the shipped one")
+    ap.add_argument("--variant", action="append", default=[], type=variant,
+                    help="NAME:ATTR=INT,...: the shipped kernel with these attention.py constants")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     model, config = step_model(a.shape)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     dim = config["hidden_size"] // heads
     settings = {"shipped": {}}
+    settings.update(a.variant)
     if a.baseline:
         settings["baseline"] = load_baseline(a.baseline)
     rows_out = []
@@ -73,7 +88,7 @@ def main() -> None:
         for context in map(int, a.contexts.split(",")):
             cache = _filled(model, rows, context, True, True)
             row = {"shape": a.shape, "rows": rows, "context": context}
-            for name, values in settings.items():
+            for name, values in settings.items():  # each: attributes of `attention` to set
                 with patched(attention, **values):
                     row[f"{name}_step_ms"] = round(_compiled_steps(model, cache, rows, a.steps), 3)
                     row[f"{name}_kernel_us"] = round(kernel_us(attention.batch_decode_attention, rows, context, heads,

@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab cudatests tqab ncudetail)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -317,6 +317,69 @@ stage_attn() {  # issue 8: the grouped attention kernels' CUDA tests (stop the c
   step attn_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py \
     tests/test_step_forward.py "tests/test_turboquant_batch.py::test_step_attention_reads_what_a_cache_alone_reads" \
     -x || return 1
+}
+
+# ATTN_BASELINE: another attention.py (see bench/attention_baseline.py);
+# ATTN_VARIANTS: attention_probe.py --variant values, separated by spaces.
+stage_attnprobe() {  # issue 8: the batch attention kernel's compiled steps and launches, shipped against others
+  local v args=()
+  for v in ${ATTN_VARIANTS:-}; do args+=(--variant "$v"); done
+  [[ -n ${ATTN_BASELINE:-} ]] && args+=(--baseline "$ATTN_BASELINE")
+  step attnprobe_7b 200 python3 bench/attention_probe.py --shape qwen2.5-7b --rows 8,32 --contexts 512,2048 \
+    "${args[@]}" --out "$R/attnprobe_7b.json"
+  step attnprobe_05b 120 python3 bench/attention_probe.py --shape qwen2.5-0.5b --rows 8,32 --contexts 512 \
+    "${args[@]}" --out "$R/attnprobe_05b.json"
+}
+
+ab_run() {  # ab_run NAME SIDE BASELINE ARGS...: one bench CLI run, the shipped code or (SIDE baseline) the CLI
+  # through bench/attention_baseline.py BASELINE (its arguments: a file, or --turboquant-batch and a file)
+  local name=$1_$2 side=$2 baseline=$3 cli=($BG)
+  shift 3
+  [[ $side == baseline ]] && cli=(python3 bench/attention_baseline.py $baseline bench)
+  step "$name" 150 "${cli[@]}" "$@" --out "$R/$name.json"
+}
+
+stage_attnab() {  # issue 8: whole runs, the shipped attention and ATTN_BASELINE in turn (ATTN_ORDER), one machine
+  local side i=0
+  for side in ${ATTN_ORDER:-baseline shipped baseline shipped}; do
+    i=$((i + 1))
+    ab_run "ab7b_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8 \
+      --jobs-total 64 --max-tokens 64
+    ab_run "ab05_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
+      --throughput 32 --jobs-total 256 --max-tokens 64
+  done
+}
+
+stage_cudatests() {  # the CUDA tests of kernel naming, the batch attention kernels and TurboQuant rows' step (stops the call if they fail)
+  step cuda_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_names.py tests/test_attention_kernels.py \
+    tests/test_step_forward.py "tests/test_turboquant_batch.py::test_step_attention_reads_what_a_cache_alone_reads" -x \
+    || return 1
+}
+
+# TQ_BASELINE: another turboquant_batch.py (its step kernel: STEP_SOURCE, STEP_HEADER).
+stage_tqab() {  # issue 8: TurboQuant rows' step kernel, shipped against TQ_BASELINE: probe, then whole runs in turn
+  step tqab_probe 150 python3 bench/turboquant_batch_probe.py --shape qwen2.5-0.5b --rows 32 --context 1024 \
+    --baseline "$TQ_BASELINE" --out "$R/tqab_probe.json"
+  local side i=0
+  for side in ${TQ_ORDER:-baseline shipped baseline shipped}; do
+    i=$((i + 1))
+    ab_run "tqab_$i" "$side" "--turboquant-batch $TQ_BASELINE" jobs/freeform.jsonl --shape qwen2.5-0.5b \
+      --model "$DEMO" --throughput 32 --jobs-total 256 --max-tokens 128 --kv-cache turboquant
+  done
+}
+
+stage_ncudetail() {  # issues 7 / 8: why the step attention kernels take their time (Nsight Compute sections:
+  # throughput against peaks, warp stall reasons, occupancy), one launch each (NCUD_SPECS: kernel_profile.py arguments)
+  local ncu spec name specs
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  IFS=';' read -r -a specs <<<"${NCUD_SPECS:-step --shape qwen2.5-7b --rows 8;tqbatch --shape qwen2.5-0.5b --rows 32 \
+--context 1024;tq --shape 7b --context 32768}"
+  for spec in "${specs[@]}"; do
+    name=ncud_$(echo "$spec" | tr -c 'a-z0-9.\n' '_' | tr -s '_')
+    step "$name" 200 "$ncu" --profile-from-start off --kernel-name "regex:attention|tq_" --launch-count 2 \
+      --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
+      --section LaunchStats python3 bench/kernel_profile.py $spec
+  done
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call

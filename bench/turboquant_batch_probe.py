@@ -1,6 +1,7 @@
 """Where a batched decode step over TurboQuant rows spends its time.
 
-    python bench/turboquant_batch_probe.py --shape qwen2.5-0.5b --rows 8 --context 4096 --out r.json
+    python bench/turboquant_batch_probe.py --shape qwen2.5-0.5b --rows 8 --context 4096 \
+        [--baseline path/to/turboquant_batch.py] --out r.json
 
 Rows of `context` tokens (one prefilled TurboQuant cache placed in every row)
 step through the compiled step as the scheduler runs it (window flushed into
@@ -8,7 +9,9 @@ the codes when full); beside it, fp16 rows of the same lengths (`batch_step`).
 Reports ms a step (pipelined, as the scheduler queues them), the step's
 primitives by kind, ms a step with the attention as ops (the step kernel
 off), and ms of one layer's ops attention alone (evaluated each call: the
-GPU's time plus one launch chain).
+GPU's time plus one launch chain). `--baseline`: ms a step with another
+version's step kernel (its `STEP_SOURCE` and `STEP_HEADER`, e.g. another
+commit's file) in place of the shipped one.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from attention_baseline import load_baseline  # noqa: E402
 from batch_step import _compiled_steps, _filled, _timed, step_model  # noqa: E402
+from projection_probe import patched  # noqa: E402
 
-from batchgen import turboquant  # noqa: E402
+from batchgen import turboquant, turboquant_batch  # noqa: E402
 from batchgen.compiled_step import CompiledSteps, fit_capacity  # noqa: E402
 from batchgen.engine import prefill  # noqa: E402
 from batchgen.turboquant_batch import TurboQuantBatchLayer, TurboQuantStepCache  # noqa: E402
@@ -87,8 +92,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--baseline", type=Path, help="another turboquant_batch.py whose step kernel to time")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    baseline = load_baseline(a.baseline, ("STEP_SOURCE", "STEP_HEADER")) if a.baseline else None
     model, _ = step_model(a.shape)
     out = {"shape": a.shape, "context": a.context, "bits": a.bits, "device": str(mx.default_device()), "rows": {}}
     n_heads = model.layers[0].self_attn.n_heads
@@ -97,6 +104,12 @@ def main() -> None:
         cache = turboquant_rows(model, rows, a.context, a.bits)
         r["turboquant_primitives"] = step_primitives(model, cache, rows)
         r["turboquant_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
+        if baseline:
+            CompiledStepsOnce.reset()
+            with patched(turboquant_batch, **baseline):
+                r["baseline_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
+            CompiledStepsOnce.reset()
+            r["turboquant_again_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
         CompiledStepsOnce.reset(kernel=False)
         r["turboquant_ops_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
         CompiledStepsOnce.reset()
