@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab cudatests tqab ncudetail)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab cudatests tqab ncudetail tp7bwarm)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -380,6 +380,17 @@ stage_ncudetail() {  # issues 7 / 8: why the step attention kernels take their t
       --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
       --section LaunchStats python3 bench/kernel_profile.py $spec
   done
+}
+
+stage_tp7bwarm() {  # issue 8: the 7B rows of the matrix on a machine's first bench process (cold: MLX compiles the
+  # kernels, keeping their PTX on disk) and again (warm), then edits warm
+  local run
+  for run in cold warm; do
+    step "tp_7b_$run" 200 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
+      --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b_$run.json"
+  done
+  step tp_7b_edits_warm 200 $BG jobs/edits.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b_edits_warm.json"
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
