@@ -6,6 +6,8 @@ kernel a step and layer; random data, real head shapes).
 
 Each step appends one token to every layer's cache and attends with one query; the
 time is the median over `--steps` steps after a warm-up, synced per step.
+`--step-blocks 512,2048`: the step mode again with `turboquant_kernels.STEP_BLOCKS`
+(the blocks a step kernel aims at) set to each value (`tq_step_<N>_ms`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from batchgen import turboquant as tq
+from batchgen import turboquant_kernels
 
 SHAPES = {  # layers, query heads, kv heads, head dim (Qwen2.5)
     "0.5b": (24, 14, 2, 64),
@@ -67,7 +70,10 @@ def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, d
     return statistics.median(times)
 
 
-def measure(shape: str, n: int, steps: int, dtype) -> dict:
+PATHS = {"ops": (False, False), "fused": (True, False), "step": (True, True)}  # (FUSED_KERNELS, STEP_KERNEL)
+
+
+def measure(shape: str, n: int, steps: int, dtype, step_blocks: tuple = (), paths: tuple = tuple(PATHS)) -> dict:
     layers, heads, kv_heads, dim = SHAPES[shape]
     row = {"shape": shape, "context": n}
     fp16 = [KVCache() for _ in range(layers)]
@@ -76,11 +82,16 @@ def measure(shape: str, n: int, steps: int, dtype) -> dict:
     row["fp16_ms"] = step_s(fp16, "fp16", heads, kv_heads, dim, steps, dtype) * 1e3
     del fp16
     caches = filled_turboquant(layers, n, kv_heads, dim, dtype)
-    for name, fused, stepped in (("ops", False, False), ("fused", True, False), ("step", True, True)):
-        tq.FUSED_KERNELS, tq.STEP_KERNEL = fused, stepped
+    for name in paths:
+        tq.FUSED_KERNELS, tq.STEP_KERNEL = PATHS[name]
         row[f"tq_{name}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
         row[f"{name}_over_fp16"] = row["fp16_ms"] / row[f"tq_{name}_ms"]  # speed ratio (>1: faster)
     tq.FUSED_KERNELS = tq.STEP_KERNEL = True
+    shipped = turboquant_kernels.STEP_BLOCKS
+    for blocks in step_blocks:
+        turboquant_kernels.STEP_BLOCKS = blocks
+        row[f"tq_step_{blocks}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
+    turboquant_kernels.STEP_BLOCKS = shipped
     row["step_kv_bytes"] = sum(c.nbytes for c in caches)
     return row
 
@@ -90,12 +101,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="0.5b,7b")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--paths", default=",".join(PATHS), help="TurboQuant paths to time: ops, fused, step")
+    ap.add_argument("--step-blocks", default="", help="comma-separated STEP_BLOCKS values to time the step mode at")
     ap.add_argument("--out")
     a = ap.parse_args()
+    step_blocks = tuple(int(x) for x in a.step_blocks.split(",") if x)
     rows = []
     for shape in a.shapes.split(","):
         for n in (int(x) for x in a.contexts.split(",")):
-            row = measure(shape, n, a.steps, mx.bfloat16)
+            row = measure(shape, n, a.steps, mx.bfloat16, step_blocks, tuple(a.paths.split(",")))
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.out:
