@@ -26,6 +26,7 @@ from pathlib import Path
 from batchgen import attention
 
 ENTRY_POINTS = ("fused_step_attention", "batch_step_attention", "batch_decode_attention")
+TURBOQUANT_BATCH_KERNEL = ("STEP_SOURCE", "STEP_HEADER")  # turboquant_batch's step kernel
 
 
 def load_baseline(path: Path, names: tuple = ENTRY_POINTS) -> dict:
@@ -44,7 +45,7 @@ if __name__ == "__main__":
 
     target, names, args = attention, ENTRY_POINTS, sys.argv[1:]
     if args[0] == "--turboquant-batch":  # FILE is a turboquant_batch.py: its step kernel's source
-        target, names, args = turboquant_batch, ("STEP_SOURCE", "STEP_HEADER"), args[1:]
+        target, names, args = turboquant_batch, TURBOQUANT_BATCH_KERNEL, args[1:]
     for name, value in load_baseline(Path(args[0]), names).items():
         setattr(target, name, value)
     sys.argv = ["batchgen"] + args[1:]

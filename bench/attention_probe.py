@@ -11,9 +11,9 @@ launches queued and evaluated once (GPU time where the launches queue faster
 than they run, else the host's time a launch), for the shipped kernel and, with
 --baseline, another version of `batchgen/attention.py` (its
 `fused_step_attention` / `batch_decode_attention`, e.g. another commit's, see
-`attention_baseline.py`); `--variant
-NAME:ATTR=INT,...` times the shipped kernel with module constants of
-`batchgen/attention.py` set otherwise (`_DECODE_WARPS`, `_DECODE_UNROLL`).
+`attention_baseline.py`); `--variant NAME:ATTR=INT,...` times the shipped kernel
+with module constants of `batchgen/attention.py` set otherwise
+(`_DECODE_WARPS`, `_DECODE_UNROLL`).
 """
 
 from __future__ import annotations

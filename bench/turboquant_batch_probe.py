@@ -29,7 +29,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from attention_baseline import load_baseline  # noqa: E402
+from attention_baseline import TURBOQUANT_BATCH_KERNEL, load_baseline  # noqa: E402
 from batch_step import _compiled_steps, _filled, _timed, step_model  # noqa: E402
 from projection_probe import patched  # noqa: E402
 
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="another turboquant_batch.py whose step kernel to time")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    baseline = load_baseline(a.baseline, ("STEP_SOURCE", "STEP_HEADER")) if a.baseline else None
+    baseline = load_baseline(a.baseline, TURBOQUANT_BATCH_KERNEL) if a.baseline else None
     model, _ = step_model(a.shape)
     out = {"shape": a.shape, "context": a.context, "bits": a.bits, "device": str(mx.default_device()), "rows": {}}
     n_heads = model.layers[0].self_attn.n_heads
@@ -103,15 +103,12 @@ def main() -> None:
         r = {}
         cache = turboquant_rows(model, rows, a.context, a.bits)
         r["turboquant_primitives"] = step_primitives(model, cache, rows)
-        r["turboquant_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
+        r["turboquant_ms"] = compiled_ms(model, cache, rows, a.steps)
         if baseline:
-            CompiledStepsOnce.reset()
             with patched(turboquant_batch, **baseline):
-                r["baseline_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
-            CompiledStepsOnce.reset()
-            r["turboquant_again_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
-        CompiledStepsOnce.reset(kernel=False)
-        r["turboquant_ops_ms"] = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, a.steps)
+                r["baseline_ms"] = compiled_ms(model, cache, rows, a.steps)
+            r["turboquant_again_ms"] = compiled_ms(model, cache, rows, a.steps)
+        r["turboquant_ops_ms"] = compiled_ms(model, cache, rows, a.steps, kernel=False)
         CompiledStepsOnce.reset()
         r["attention_one_layer_ms"] = attention_ms(cache[0], n_heads)
         r["turboquant_bytes_per_row"] = sum(layer.nbytes for layer in cache) // rows
@@ -127,6 +124,12 @@ def main() -> None:
         print(json.dumps(r["turboquant_primitives"]), flush=True)
     if a.out:
         a.out.write_text(json.dumps(out, indent=1))
+
+
+def compiled_ms(model, cache: list, rows: int, steps: int, kernel: bool = True) -> float:
+    """ms a step through a stepper recorded anew (its step kernel on or off)."""
+    CompiledStepsOnce.reset(kernel)
+    return _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, steps)
 
 
 class CompiledStepsOnce:
