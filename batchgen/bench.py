@@ -445,10 +445,13 @@ def _repeat_jobs(jobs: list[Job], n: int) -> list[Job]:
 
 
 def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_jobs: int = 32, log=print,
-                   drafts: list[str] | None = None) -> dict:  # fmt: skip
+                   drafts: list[str] | None = None, repeats: int = 1) -> dict:  # fmt: skip
     """`batch_sizes`: ints, or "auto" (the engine's KV-budget sizing; mlx-lm
     gets the same number of rows). `drafts`: batchgen's runs at each size, one
-    per draft kind (default: the configured one), beside one `batch_generate` run."""
+    per draft kind (default: the configured one), beside one `batch_generate` run.
+    `repeats`: each side's timed run that many times, the sides' order reversed
+    every other round (one side's run can vary by a third from one to the next
+    on a GPU); a row reports each side's median run and lists every run's tok/s."""
     from mlx_lm.generate import batch_generate
 
     from .engine import device_name
@@ -467,7 +470,7 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
         start = time.perf_counter()
         results = list(engine.run_all(subset, total=len(subset)))
         wall = time.perf_counter() - start
-        return wall, results, mx.get_peak_memory() / 1e9
+        return wall, results, mx.get_peak_memory() / 1e9, dict(engine.batch_report) if b > 1 else {}
 
     def plain(b: int, n: int):
         mx.reset_peak_memory()
@@ -485,13 +488,21 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
             engine.config = replace(engine.config, batch_size="auto")
             b = engine.resolve_batch_size(len(jobs))
         n = len(jobs) if b > 1 else min(sequential_jobs, len(jobs))
+        kinds = drafts or [cfg.engine.decode.draft]
         plain(b, min(b, n))  # warm-up at this batch size, both sides
-        p_wall, p_texts, p_tokens, p_mem = plain(b, n)
-        for draft in drafts or [cfg.engine.decode.draft]:
+        for draft in kinds:
             ours(b, jobs[: min(b, n)], draft)
-            run = ours(b, jobs[:n], draft)
-            row = _throughput_row(b, n, run, (p_wall, p_tokens, p_mem), list(zip(jobs[:n], p_texts)), log)
-            rows.append({**row, "requested": size, "draft": draft, "batchgen": {**row["batchgen"], **(engine.batch_report if b > 1 else {})}})
+        sides = {"batch_generate": lambda: plain(b, n), **{d: (lambda d=d: ours(b, jobs[:n], d)) for d in kinds}}
+        runs = _runs_in_turn(repeats, sides)
+        plain_tps = [tokens / wall for wall, _, tokens, _ in runs["batch_generate"]]
+        p_wall, p_texts, p_tokens, p_mem = runs["batch_generate"][median_index(plain_tps)]
+        for draft in kinds:
+            tps = [_completion_tokens(results) / wall for wall, results, _, _ in runs[draft]]
+            wall, results, mem, report = runs[draft][median_index(tps)]
+            row = _throughput_row(b, n, (wall, results, mem), (p_wall, p_tokens, p_mem), list(zip(jobs[:n], p_texts)), log)
+            rows.append({**row, "requested": size, "draft": draft, "batchgen": {**row["batchgen"], **report}})
+            if repeats > 1:
+                rows[-1]["runs_tokens_per_s"] = {"mlx_lm_batch_generate": plain_tps, "batchgen": tps}
     for r in rows:
         seq = next((s for s in rows if s["batch_size"] == 1 and s["draft"] == r["draft"]), None)
         if seq:
@@ -504,13 +515,37 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
     }  # fmt: skip
 
 
+def _runs_in_turn(repeats: int, sides: dict) -> dict:
+    """{name: [its runs]}: each of `sides` ({name: one run}) run `repeats` times,
+    their order reversed every other round, so that drift favours neither."""
+    runs = {name: [] for name in sides}
+    for r in range(repeats):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+            runs[name].append(sides[name]())
+    return runs
+
+
+def median_index(rates: list) -> int:
+    """Index of the median of `rates` (the lower middle one of an even count).
+
+    >>> median_index([1.0, 3.0, 2.0, 4.0])
+    2
+    """
+    return sorted(range(len(rates)), key=rates.__getitem__)[(len(rates) - 1) // 2]
+
+
+def _completion_tokens(results: list) -> int:
+    """Tokens batchgen generated, counted as `batch_generate` counts its own
+    (its token ids leave out the EOS that ended a sequence)."""
+    return sum(r.usage.completion_tokens - (r.finish_reason == "stop") for r in results)
+
+
 def _throughput_row(b: int, n: int, ours: tuple, plain: tuple, pairs: list, log) -> dict:
     """One batchgen run (wall, results, peak) at batch size b against the
     `batch_generate` run (wall, tokens, peak) on the same n prompts (`pairs`:
     each job and its plain text)."""
     (o_wall, o_results, o_mem), (p_wall, p_tokens, p_mem) = ours, plain
-    # batch_generate's token ids leave out the EOS that ended a sequence
-    o_tokens = sum(r.usage.completion_tokens - (r.finish_reason == "stop") for r in o_results)
+    o_tokens = _completion_tokens(o_results)
     by_id = {r.id: r.text or "" for r in o_results}
     same = sum(by_id.get(j.id, "").strip() == t.strip() for j, t in pairs)
     row = {

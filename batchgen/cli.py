@@ -222,10 +222,12 @@ def validate(jobs, max_tokens):
               help="Comma-separated batch sizes: whole-file throughput against mlx-lm's batch_generate.")
 @click.option("--jobs-total", type=click.IntRange(min=1), default=256, show_default=True, help="With --throughput: jobs, cycling JOBS.")
 @click.option("--throughput-drafts", default=None, help="With --throughput: batchgen runs at each size, one per draft kind (e.g. pld,none).")
+@click.option("--throughput-repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --throughput: each side's run this many times, in turn; rows report the median run.")
 def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
           draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_in_batch, pld_policy, kv_cache, kv_bits,
           plain_kv_bits, no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total,
-          throughput_drafts):  # fmt: skip
+          throughput_drafts, throughput_repeats):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
     _setup_logging(quiet=True)
     from .bench import BenchConfig, parse_policy, run_bench, save_results
@@ -258,7 +260,8 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
         drafts = throughput_drafts.split(",") if throughput_drafts else None
         if drafts and not set(drafts) <= set(DRAFT_KINDS):
             _fail(f"--throughput-drafts: draft kinds are {', '.join(DRAFT_KINDS)}")
-        result = run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True), drafts=drafts)
+        result = run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True), drafts=drafts,
+                                repeats=throughput_repeats)  # fmt: skip
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(result, indent=2) + "\n")
         click.echo(f"wrote {out_json}")

@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from batchgen.bench import prefix_agreement
+from batchgen.bench import _runs_in_turn, median_index, prefix_agreement
 from batchgen.cli import main
 
 from test_cli import good_jobs, write_jobs
@@ -104,6 +104,40 @@ def test_throughput_runs_each_draft_kind_beside_one_batch_generate_run(tmp_path,
     assert pld["completion_tokens"] == plain["completion_tokens"]
     r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "2", "--throughput-drafts", "x"])
     assert r.exit_code == 2 and "--throughput-drafts: draft kinds are pld, none" in r.output
+
+
+def test_median_index_takes_the_lower_middle_run():
+    assert median_index([5.0]) == 0
+    assert median_index([3.0, 1.0, 2.0]) == 2
+    assert median_index([1.0, 3.0, 2.0, 4.0]) == 2  # of 2.0 and 3.0, the lower
+    assert median_index([2.0, 2.0]) == 0
+
+
+def test_runs_in_turn_reverses_the_order_every_other_round():
+    order = []
+    sides = {name: (lambda name=name: order.append(name) or f"{name}{len(order)}") for name in ("plain", "pld", "none")}
+    runs = _runs_in_turn(3, sides)
+    assert order == ["plain", "pld", "none", "none", "pld", "plain", "plain", "pld", "none"]
+    assert runs == {"plain": ["plain1", "plain6", "plain7"], "pld": ["pld2", "pld5", "pld8"],
+                    "none": ["none3", "none4", "none9"]}  # fmt: skip
+
+
+def test_throughput_repeats_report_the_median_run_and_every_run(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
+    out = tmp_path / "t.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "2", "--jobs-total", "4",
+                                  "--max-tokens", "4", "--throughput-repeats", "3", "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(out.read_text())["rows"]
+    runs = row["runs_tokens_per_s"]
+    assert len(runs["batchgen"]) == len(runs["mlx_lm_batch_generate"]) == 3
+    ours, plain = row["batchgen"]["tokens_per_s"], row["mlx_lm_batch_generate"]["tokens_per_s"]
+    assert ours == sorted(runs["batchgen"])[1] and plain == sorted(runs["mlx_lm_batch_generate"])[1]
+    assert row["ratio_tokens_per_s"] == ours / plain
+    assert row["batchgen"]["rows"] == 2  # the median run's own batch report
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "2", "--jobs-total", "4",
+                                  "--max-tokens", "4", "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0 and "runs_tokens_per_s" not in json.loads(out.read_text())["rows"][0]
 
 
 def test_bench_needs_jobs_or_synthetic():
