@@ -295,22 +295,29 @@ stage_matrix() {  # issue 8: rows of the measurement matrix not run on the curre
     --max-tokens 128 --out "$R/throughput_demo_freeform.json"
 }
 
-stage_ncu() {  # issues 7 / 8: GPU time of each kernel of one step (Nsight Compute; bench/kernel_profile.py)
-  local ncu spec name specs
+ncu_each() {  # ncu_each PREFIX SPECS NCU_ARGS...: bench/kernel_profile.py under Nsight Compute once for each of
+  # the ';'-separated SPECS (its arguments), logged as $R/PREFIX_<spec>.log; {} in NCU_ARGS stands for that name
+  local prefix=$1 specs_text=$2 ncu spec name specs
+  shift 2
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  step ncu_version 30 "$ncu" --version || return 1
-  # NCU_SPECS: kernel_profile.py arguments, runs separated by ';'
-  IFS=';' read -r -a specs <<<"${NCU_SPECS:-step --shape qwen2.5-7b --rows 8;step --shape qwen2.5-7b --rows 32;\
-tq --shape 7b --context 32768;tq --shape 0.5b --context 32768;tqbatch --shape qwen2.5-0.5b --rows 32 --context 1024;\
-step --shape qwen2.5-0.5b --rows 32}"
+  step "${prefix}_version" 30 "$ncu" --version || return 1
+  IFS=';' read -r -a specs <<<"$specs_text"
   for spec in "${specs[@]}"; do
-    name=ncu_$(echo "$spec" | tr -c 'a-z0-9.\n' '_' | tr -s '_')
-    step "$name" 200 "$ncu" --profile-from-start off --clock-control none --cache-control none \
-      --metrics gpu__time_duration.sum --csv --page raw --print-units base --log-file "$R/$name.csv" \
-      python3 bench/kernel_profile.py $spec
-    python3 bench/kernel_profile.py summary "$R/$name.csv" >>"$R/ncu_summary.txt" 2>&1
-    tail -n 12 "$R/ncu_summary.txt"
+    name=${prefix}_$(echo "$spec" | tr -c 'a-z0-9.\n' '_' | tr -s '_')
+    step "$name" 200 "$ncu" "${@//\{\}/$name}" python3 bench/kernel_profile.py $spec
+    if [[ -f $R/$name.csv ]]; then  # a CSV of kernel times: summed by family
+      python3 bench/kernel_profile.py summary "$R/$name.csv" >>"$R/${prefix}_summary.txt" 2>&1
+      tail -n 12 "$R/${prefix}_summary.txt"
+    fi
   done
+}
+
+stage_ncu() {  # issues 7 / 8: GPU time of each kernel of one step (Nsight Compute; bench/kernel_profile.py)
+  # NCU_SPECS: kernel_profile.py arguments, runs separated by ';'
+  ncu_each ncu "${NCU_SPECS:-step --shape qwen2.5-7b --rows 8;step --shape qwen2.5-7b --rows 32;\
+tq --shape 7b --context 32768;tq --shape 0.5b --context 32768;tqbatch --shape qwen2.5-0.5b --rows 32 --context 1024;\
+step --shape qwen2.5-0.5b --rows 32}" --profile-from-start off --clock-control none --cache-control none \
+    --metrics gpu__time_duration.sum --csv --page raw --print-units base --log-file "$R/{}.csv"
 }
 
 stage_attn() {  # issue 8: the grouped attention kernels' CUDA tests (stop the call if they fail)
@@ -369,17 +376,10 @@ stage_tqab() {  # issue 8: TurboQuant rows' step kernel, shipped against TQ_BASE
 }
 
 stage_ncudetail() {  # issues 7 / 8: why the step attention kernels take their time (Nsight Compute sections:
-  # throughput against peaks, warp stall reasons, occupancy), one launch each (NCUD_SPECS: kernel_profile.py arguments)
-  local ncu spec name specs
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  IFS=';' read -r -a specs <<<"${NCUD_SPECS:-step --shape qwen2.5-7b --rows 8;tqbatch --shape qwen2.5-0.5b --rows 32 \
---context 1024;tq --shape 7b --context 32768}"
-  for spec in "${specs[@]}"; do
-    name=ncud_$(echo "$spec" | tr -c 'a-z0-9.\n' '_' | tr -s '_')
-    step "$name" 200 "$ncu" --profile-from-start off --kernel-name "regex:attention|tq_" --launch-count 2 \
-      --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
-      --section LaunchStats python3 bench/kernel_profile.py $spec
-  done
+  # throughput against peaks, warp stall reasons, occupancy), two launches each (NCUD_SPECS: as NCU_SPECS)
+  ncu_each ncud "${NCUD_SPECS:-step --shape qwen2.5-7b --rows 8;tqbatch --shape qwen2.5-0.5b --rows 32 --context 1024;\
+tq --shape 7b --context 32768}" --profile-from-start off --kernel-name "regex:attention|tq_" --launch-count 2 \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats
 }
 
 stage_tp7bwarm() {  # issue 8: the 7B rows of the matrix on a machine's first bench process (cold: MLX compiles the
