@@ -19,7 +19,7 @@ OUT=${OUT:-/tmp/out}
 DEMO=${DEMO:-batchgen/demo}
 R=$OUT/results
 mkdir -p "$R"
-BG="python3 -m batchgen bench"
+BG="python3 -m batchgen bench${TP_REPEATS:+ --throughput-repeats $TP_REPEATS}"  # TP_REPEATS: each side's run that often
 
 DEADLINE=$((SECONDS + ${BUDGET_S:-540}))  # the whole call's time; results are packed after it
 
