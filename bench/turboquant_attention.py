@@ -15,13 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from batchgen import turboquant as tq
 from batchgen import turboquant_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))
+from projection_probe import patched  # noqa: E402
 
 SHAPES = {  # layers, query heads, kv heads, head dim (Qwen2.5)
     "0.5b": (24, 14, 2, 64),
@@ -83,15 +88,13 @@ def measure(shape: str, n: int, steps: int, dtype, step_blocks: tuple = (), path
     del fp16
     caches = filled_turboquant(layers, n, kv_heads, dim, dtype)
     for name in paths:
-        tq.FUSED_KERNELS, tq.STEP_KERNEL = PATHS[name]
-        row[f"tq_{name}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
+        fused, stepped = PATHS[name]
+        with patched(tq, FUSED_KERNELS=fused, STEP_KERNEL=stepped):
+            row[f"tq_{name}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
         row[f"{name}_over_fp16"] = row["fp16_ms"] / row[f"tq_{name}_ms"]  # speed ratio (>1: faster)
-    tq.FUSED_KERNELS = tq.STEP_KERNEL = True
-    shipped = turboquant_kernels.STEP_BLOCKS
     for blocks in step_blocks:
-        turboquant_kernels.STEP_BLOCKS = blocks
-        row[f"tq_step_{blocks}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
-    turboquant_kernels.STEP_BLOCKS = shipped
+        with patched(turboquant_kernels, STEP_BLOCKS=blocks):
+            row[f"tq_step_{blocks}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
     row["step_kv_bytes"] = sum(c.nbytes for c in caches)
     return row
 
