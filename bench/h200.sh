@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab cudatests tqab ncudetail tp7bwarm)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -320,8 +320,9 @@ step --shape qwen2.5-0.5b --rows 32}" --profile-from-start off --clock-control n
     --metrics gpu__time_duration.sum --csv --page raw --print-units base --log-file "$R/{}.csv"
 }
 
-stage_attn() {  # issue 8: the grouped attention kernels' CUDA tests (stop the call if they fail)
-  step attn_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_attention_kernels.py \
+stage_attn() {  # issue 8: the CUDA tests of the batch attention kernels, their launch cache and TurboQuant rows'
+  # step (stop the call if they fail)
+  step attn_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_names.py tests/test_attention_kernels.py \
     tests/test_step_forward.py "tests/test_turboquant_batch.py::test_step_attention_reads_what_a_cache_alone_reads" \
     -x || return 1
 }
@@ -355,12 +356,6 @@ stage_attnab() {  # issue 8: whole runs, the shipped attention and ATTN_BASELINE
     ab_run "ab05_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
       --throughput 32 --jobs-total 256 --max-tokens 64
   done
-}
-
-stage_cudatests() {  # the CUDA tests of kernel naming, the batch attention kernels and TurboQuant rows' step (stops the call if they fail)
-  step cuda_test 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_names.py tests/test_attention_kernels.py \
-    tests/test_step_forward.py "tests/test_turboquant_batch.py::test_step_attention_reads_what_a_cache_alone_reads" -x \
-    || return 1
 }
 
 # TQ_BASELINE: another turboquant_batch.py (its step kernel: STEP_SOURCE, STEP_HEADER).
