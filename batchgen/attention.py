@@ -133,73 +133,138 @@ def uninstall_short_attention(model) -> None:
 _DECODE_WARPS = 16
 _DECODE_UNROLL = 4
 
-# One block per (row, query head) `bh`; QP points at its query. Its warps take the keys from the row's
-# first real position (left_padding[b]) to the last, UNROLL at a time (their
-# loads in flight together: one key after another would wait on memory
-# latency), each warp with an online softmax (running max m, sum l, weighted
-# values acc), merged at the end through shared memory. A lane holds D / 32 of
-# the head's coordinates. KEY(j) / VAL(j) point at position j's vectors; the
-# two kernels below differ only in where positions live.
-_ATTEND_BODY = """
-  constexpr int PER = D / 32;
+# Loads of a lane's PER = 8 coordinates as float: one 16-byte load for 16-bit
+# types (two for float32) where the address allows it (every row starts at a
+# multiple of D >= 32 elements), else eight plain loads.
+HEADER = """
+template <typename T>
+__device__ __forceinline__ void ld8(const T* p, float* x) {
+  #pragma unroll
+  for (int i = 0; i < 8; i++) x[i] = static_cast<float>(p[i]);
+}
+template <typename H2, typename T>
+__device__ __forceinline__ void ld8_pairs(const T* p, float* x) {
+  if ((reinterpret_cast<size_t>(p) & 15) != 0) {
+    #pragma unroll
+    for (int i = 0; i < 8; i++) x[i] = static_cast<float>(p[i]);
+    return;
+  }
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const unsigned int u[4] = {w.x, w.y, w.z, w.w};
+  #pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const H2 h = *reinterpret_cast<const H2*>(&u[i]);
+    x[2 * i] = static_cast<float>(h.x);
+    x[2 * i + 1] = static_cast<float>(h.y);
+  }
+}
+template <>
+__device__ __forceinline__ void ld8<__nv_bfloat16>(const __nv_bfloat16* p, float* x) { ld8_pairs<__nv_bfloat162>(p, x); }
+template <>
+__device__ __forceinline__ void ld8<__half>(const __half* p, float* x) { ld8_pairs<__half2>(p, x); }
+"""
+
+# One block per (row, query head) `bh`; QP points at its query. A column
+# (position) is read by LPC = D / 8 lanes, 8 coordinates each, so a warp reads
+# CPW = 32 / LPC columns at once, UNROLL rounds of them together (their loads
+# in flight together: one key after another would wait on memory latency).
+# (A lane per D / 32 coordinates and a column a warp at a time spent most of a
+# column's instructions on the 5-step shuffle sum and the column's bookkeeping.)
+# The warps take the columns from the row's first real position
+# (left_padding[b]) to the last; each lane group keeps an online softmax
+# (running max m, sum l, weighted values acc), and the WARPS x CPW partial
+# results are merged at the end through shared memory. KEY(j) / VAL(j) point
+# at position j's vectors; the kernels below differ only in where positions
+# live.
+LANE_PART = """
+  constexpr int PER = 8, LPC = D / PER, CPW = 32 / LPC, NP = WARPS * CPW;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int grp = lane / LPC, sub = lane % LPC, pid = warp * CPW + grp;
   const float sc = scale[0];
+"""
+
+# The first warp turns the NP lane groups' (m, l) into each partial's weight
+# `wt` and the softmax's denominator `tot`; the caller then sums its NP
+# partial vectors (in shared memory) with those weights.
+MERGE_WEIGHTS = """
+  __shared__ float sm[NP], sl[NP], wt[NP], tot_s[1];
+  if (sub == 0) { sm[pid] = m; sl[pid] = l; }
+  __syncthreads();
+  if (warp == 0) {
+    float mx_ = -INFINITY;
+    for (int x = lane; x < NP; x += 32) mx_ = fmaxf(mx_, sm[x]);
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx_ = fmaxf(mx_, __shfl_xor_sync(0xffffffff, mx_, o));
+    float t = 0.0f;
+    for (int x = lane; x < NP; x += 32) {
+      const float f = sm[x] == -INFINITY ? 0.0f : expf(sm[x] - mx_);
+      wt[x] = f;
+      t += sl[x] * f;
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+    if (lane == 0) tot_s[0] = t;
+  }
+  __syncthreads();
+  const float tot = tot_s[0];
+"""
+
+_ATTEND_BODY = LANE_PART + """
   float qr[PER], acc[PER];
+  ld8(QP + sub * PER, qr);
   #pragma unroll
   for (int i = 0; i < PER; i++) {
-    qr[i] = static_cast<float>(QP[lane * PER + i]) * sc;
+    qr[i] *= sc;
     acc[i] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int j0 = start + warp * UNROLL; j0 < stop; j0 += WARPS * UNROLL) {
+  for (int j0 = start + warp * UNROLL * CPW; j0 < stop; j0 += WARPS * UNROLL * CPW) {
     float s[UNROLL];
     #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
+      const int j = j0 + u * CPW + grp;
       s[u] = 0.0f;
-      if (j0 + u < stop) {
-        const auto* kr = KEY(j0 + u) + lane * PER;
+      if (j < stop) {
+        float kx[PER];
+        ld8(KEY(j) + sub * PER, kx);
         #pragma unroll
-        for (int i = 0; i < PER; i++) s[u] += qr[i] * static_cast<float>(kr[i]);
+        for (int i = 0; i < PER; i++) s[u] += qr[i] * kx[i];
       }
-    }
-    #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
     }
     float mn = m;
     #pragma unroll
-    for (int u = 0; u < UNROLL; u++) if (j0 + u < stop) mn = fmaxf(mn, s[u]);
+    for (int u = 0; u < UNROLL; u++) {
+      #pragma unroll
+      for (int o = LPC / 2; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+      if (j0 + u * CPW + grp < stop) mn = fmaxf(mn, s[u]);
+    }
+    if (mn == -INFINITY) continue;  // none of this group's columns this round (the warp's last)
     const float corr = expf(m - mn);
     l *= corr;
     #pragma unroll
     for (int i = 0; i < PER; i++) acc[i] *= corr;
     #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
-      if (j0 + u < stop) {
+      const int j = j0 + u * CPW + grp;
+      if (j < stop) {
         const float p = expf(s[u] - mn);
-        const auto* vr = VAL(j0 + u) + lane * PER;
+        float vx[PER];
+        ld8(VAL(j) + sub * PER, vx);
         l += p;
         #pragma unroll
-        for (int i = 0; i < PER; i++) acc[i] += p * static_cast<float>(vr[i]);
+        for (int i = 0; i < PER; i++) acc[i] += p * vx[i];
       }
     }
     m = mn;
   }
-  __shared__ float sm[WARPS], sl[WARPS], sacc[WARPS * D];
-  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  __shared__ float sacc[NP * D];
   #pragma unroll
-  for (int i = 0; i < PER; i++) sacc[warp * D + lane * PER + i] = acc[i];
-  __syncthreads();
+  for (int i = 0; i < PER; i++) sacc[pid * D + sub * PER + i] = acc[i];
+""" + MERGE_WEIGHTS + """
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float mx_ = -INFINITY;
-    for (int w = 0; w < WARPS; w++) mx_ = fmaxf(mx_, sm[w]);
-    float tot = 0.0f, o = 0.0f;
-    for (int w = 0; w < WARPS; w++) {
-      const float f = sm[w] == -INFINITY ? 0.0f : expf(sm[w] - mx_);
-      tot += sl[w] * f;
-      o += sacc[w * D + d] * f;
-    }
+    float o = 0.0f;
+    #pragma unroll 4
+    for (int x = 0; x < NP; x++) o += sacc[x * D + d] * wt[x];
     out[(size_t)bh * D + d] = tot > 0.0f ? o / tot : 0.0f;
   }
 """
@@ -321,14 +386,15 @@ _kernels: dict = {}
 
 def launch(name: str, source: str, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
            also: dict, q_heads: int | None = None, flat: bool = False, template: tuple = (),
-           header: str = "") -> list:  # fmt: skip
+           header: str = HEADER) -> list:  # fmt: skip
     """Run kernel `name` over q + `inputs` + scale: out (B, q_heads, 1, D) in
     the queries' dtype (the kernel rounds its float32 sums on the way out, which
     saves each layer of a step a cast of its own), then each output named in
     `also`, shaped like its array there. `q_heads`: the query heads, where
     `queries` holds more heads than that (HT: all of them). `flat`: out as
     (B, q_heads * D), the same memory (the output projection's input).
-    `template`: constants besides the shapes; `header`: device functions."""
+    `template`: constants besides the shapes; `header`: device functions
+    (`HEADER`'s loads among them)."""
     key = (name, source, header)  # a benchmark may run another version's source under the same name
     if key not in _kernels:
         _kernels[key] = mx.fast.cuda_kernel(

@@ -24,11 +24,10 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .attention import FUSED_STEP_HEAD, STEP_HEAD, WINDOW_PART, launch
+from .attention import FUSED_STEP_HEAD, HEADER, LANE_PART, MERGE_WEIGHTS, STEP_HEAD, WINDOW_PART, launch
 from .compiled_step import kernel_takes
 from .turboquant import (CodedHistory, TurboQuantKVCache, _codebook_arrays, _encode, dequantize, packed_words,
                          rotation)
-from .turboquant_kernels import _UNPACK
 
 
 @dataclass(frozen=True)
@@ -313,15 +312,15 @@ class TurboQuantStepCache:
 # On the ops path above a layer's attention is ~50 primitives (0.5B shape, 8
 # rows, 4k tokens: 1,544 a step against 349 for fp16 rows, 12.0 ms against 7.0;
 # H200). `attention.batch_step_attention`'s structure takes it whole: a block
-# per (row, query head), its warps over the row's columns with an online
+# per (row, query head), its lane groups over the row's columns with an online
 # softmax, each column's key read exact (a pointer into the sinks, tail, window
-# or the new token) or from its codes (lane i's coordinates of the packed
+# or the new token) or from its codes (a lane's 8 coordinates of the packed
 # row, against the rotated query), its value added to one of two sums: the
 # exact values' (plain domain) and the coded values' (rotated domain). The
 # block rotates its query and takes the second sum back itself (a Walsh-Hadamard
 # transform in shared memory: `turboquant.Rotation` for power-of-two dims).
 
-STEP_HEADER = _UNPACK + """
+STEP_HEADER = HEADER + """
 template <int N>
 __device__ __forceinline__ void tq_fwht(float* h) {  // h = H h (Sylvester order, unnormalized); every thread calls it
   for (int len = 1; len < N; len <<= 1) {
@@ -335,28 +334,37 @@ __device__ __forceinline__ void tq_fwht(float* h) {  // h = H h (Sylvester order
   }
   __syncthreads();
 }
+template <int BITS>
+__device__ __forceinline__ unsigned long long tq_bits8(const unsigned int* row, int sub) {
+  // coordinates 8 sub .. 8 sub + 7 of a packed row, the first in the lowest BITS bits (8 BITS <= 40 bits
+  // from a bit offset that is a multiple of 8: within two words)
+  const int pos = sub * 8 * BITS, w = pos >> 5, s = pos & 31;
+  unsigned long long x = row[w];
+  if (s + 8 * BITS > 32) x |= static_cast<unsigned long long>(row[w + 1]) << 32;
+  return x >> s;
+}
 """
 
 # Column j of row b (its position j - left_padding[b]): the new token at
 # j = p = base + used, window slots above base, sinks (positions below S),
 # the tail (base - E .. base - 1) within the query's window (j > p - WIN), and
-# codes (big buffers) below that.
-STEP_SOURCE = WINDOW_PART + """
-  constexpr int PER = D / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+# codes (big buffers) below that. A coded column's norm scales each lane's
+# part of its score before the lanes' sum (the same product, one SEL fewer).
+STEP_SOURCE = WINDOW_PART + LANE_PART + """
+  static_assert(KB <= 5 && VB <= 5, "a lane's 8 codes lie within two words");
   const int p = base + used;
-  const float sc = scale[0], unit = rsqrtf((float)D);
+  const float unit = rsqrtf((float)D);
   __shared__ float hq[D], ktab[1 << KB], vtab[1 << VB];
-  __shared__ float sm[WARPS], sl[WARPS], sacc[WARPS * D], sacr[WARPS * D];
   for (int t = threadIdx.x; t < (1 << KB); t += blockDim.x) ktab[t] = tabs[t];
   for (int t = threadIdx.x; t < (1 << VB); t += blockDim.x) vtab[t] = tabs[(1 << KB) + t];
   for (int d = threadIdx.x; d < D; d += blockDim.x) hq[d] = static_cast<float>(QP[d]) * sc * signs[d];
   tq_fwht<D>(hq);
   float qr[PER], qh[PER], acc[PER], acr[PER];
+  ld8(QP + sub * PER, qr);
   #pragma unroll
   for (int i = 0; i < PER; i++) {
-    qr[i] = static_cast<float>(QP[lane * PER + i]) * sc;
-    qh[i] = hq[lane * PER + i] * unit;
+    qr[i] *= sc;
+    qh[i] = hq[sub * PER + i] * unit;
     acc[i] = 0.0f;
     acr[i] = 0.0f;
   }
@@ -366,34 +374,35 @@ STEP_SOURCE = WINDOW_PART + """
   #define kNEW KN
   #define vNEW VN
   float m = -INFINITY, l = 0.0f;
-  for (int j0 = start + warp * UNROLL; j0 < stop; j0 += WARPS * UNROLL) {
+  for (int j0 = start + warp * UNROLL * CPW; j0 < stop; j0 += WARPS * UNROLL * CPW) {
     float s[UNROLL];
     #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
-      const int j = j0 + u;
+      const int j = j0 + u * CPW + grp;
       s[u] = 0.0f;
       if (j < stop) {
         const auto* kr = SEL(j, k);
         if (kr != nullptr) {
+          float kx[PER];
+          ld8(kr + sub * PER, kx);
           #pragma unroll
-          for (int i = 0; i < PER; i++) s[u] += qr[i] * static_cast<float>(kr[lane * PER + i]);
+          for (int i = 0; i < PER; i++) s[u] += qr[i] * kx[i];
         } else {
-          const unsigned int* cw = kcode + (row * cap + j) * KW;
+          const unsigned long long c = tq_bits8<KB>(kcode + (row * cap + j) * KW, sub);
           #pragma unroll
-          for (int i = 0; i < PER; i++) s[u] += qh[i] * ktab[tq_code<KB>(cw, lane * PER + i)];
+          for (int i = 0; i < PER; i++) s[u] += qh[i] * ktab[(c >> (i * KB)) & ((1u << KB) - 1u)];
+          s[u] *= __half2float(knorm[row * cap + j]) * unit;
         }
       }
     }
+    float mn = m;
     #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
-      const int j = j0 + u;
-      if (j < stop && SEL(j, k) == nullptr) s[u] *= __half2float(knorm[row * cap + j]) * unit;
+      for (int o = LPC / 2; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+      if (j0 + u * CPW + grp < stop) mn = fmaxf(mn, s[u]);
     }
-    float mn = m;
-    #pragma unroll
-    for (int u = 0; u < UNROLL; u++) if (j0 + u < stop) mn = fmaxf(mn, s[u]);
+    if (mn == -INFINITY) continue;  // none of this group's columns this round (the warp's last)
     const float corr = expf(m - mn);
     l *= corr;
     #pragma unroll
@@ -403,42 +412,41 @@ STEP_SOURCE = WINDOW_PART + """
     }
     #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
-      const int j = j0 + u;
+      const int j = j0 + u * CPW + grp;
       if (j < stop) {
         const float w = expf(s[u] - mn);
         l += w;
         const auto* vr = SEL(j, v);
         if (vr != nullptr) {
+          float vx[PER];
+          ld8(vr + sub * PER, vx);
           #pragma unroll
-          for (int i = 0; i < PER; i++) acc[i] += w * static_cast<float>(vr[lane * PER + i]);
+          for (int i = 0; i < PER; i++) acc[i] += w * vx[i];
         } else {
           const float f = w * __half2float(vnorm[row * cap + j]) * unit;
-          const unsigned int* cw = vcode + (row * cap + j) * VW;
+          const unsigned long long c = tq_bits8<VB>(vcode + (row * cap + j) * VW, sub);
           #pragma unroll
-          for (int i = 0; i < PER; i++) acr[i] += f * vtab[tq_code<VB>(cw, lane * PER + i)];
+          for (int i = 0; i < PER; i++) acr[i] += f * vtab[(c >> (i * VB)) & ((1u << VB) - 1u)];
         }
       }
     }
     m = mn;
   }
-  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  __shared__ float sacc[NP * D], sacr[NP * D];
   #pragma unroll
   for (int i = 0; i < PER; i++) {
-    sacc[warp * D + lane * PER + i] = acc[i];
-    sacr[warp * D + lane * PER + i] = acr[i];
+    sacc[pid * D + sub * PER + i] = acc[i];
+    sacr[pid * D + sub * PER + i] = acr[i];
   }
-  __syncthreads();
-  float plain = 0.0f, tot = 0.0f;
+""" + MERGE_WEIGHTS + """
+  float plain = 0.0f;
   const int d = threadIdx.x;
   if (d < D) {
-    float mx_ = -INFINITY;
-    for (int w = 0; w < WARPS; w++) mx_ = fmaxf(mx_, sm[w]);
     float rot = 0.0f;
-    for (int w = 0; w < WARPS; w++) {
-      const float f = sm[w] == -INFINITY ? 0.0f : expf(sm[w] - mx_);
-      tot += sl[w] * f;
-      plain += sacc[w * D + d] * f;
-      rot += sacr[w * D + d] * f;
+    #pragma unroll 4
+    for (int x = 0; x < NP; x++) {
+      plain += sacc[x * D + d] * wt[x];
+      rot += sacr[x * D + d] * wt[x];
     }
     hq[d] = rot;
   }

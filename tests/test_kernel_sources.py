@@ -92,9 +92,9 @@ def test_batch_attention_kernels_compile(tmp_path, dtype):
     decode = [(n, dtype) for n in ("q", "k", "v")] + fixed
     # `out` in the queries' dtype: the kernels round their float32 sums on the way out
     step_out = [(n, dtype) for n in ("out", "rk_out", "rv_out")]
-    compiles(tmp_path, wrapped("s", "", A._STEP_SOURCE, step, step_out, template))
-    compiles(tmp_path, wrapped("f", "", A._FUSED_STEP_SOURCE, fused, step_out, template))
-    compiles(tmp_path, wrapped("d", "", A._DECODE_SOURCE, decode, [("out", dtype)], template))
+    compiles(tmp_path, wrapped("s", A.HEADER, A._STEP_SOURCE, step, step_out, template))
+    compiles(tmp_path, wrapped("f", A.HEADER, A._FUSED_STEP_SOURCE, fused, step_out, template))
+    compiles(tmp_path, wrapped("d", A.HEADER, A._DECODE_SOURCE, decode, [("out", dtype)], template))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
