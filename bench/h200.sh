@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -347,15 +347,21 @@ ab_run() {  # ab_run NAME SIDE BASELINE ARGS...: one bench CLI run, the shipped 
   step "$name" 150 "${cli[@]}" "$@" --out "$R/$name.json"
 }
 
-stage_attnab() {  # issue 8: whole runs, the shipped attention and ATTN_BASELINE in turn (ATTN_ORDER), one machine
+stage_attnab() {  # issue 8: whole runs, the shipped attention and ATTN_BASELINE in turn (ATTN_ORDER), one machine;
+  # ATTN_SHAPES: which of the 7B (8 rows) and 0.5B (32 rows) runs
   local side i=0
   for side in ${ATTN_ORDER:-baseline shipped baseline shipped}; do
     i=$((i + 1))
-    ab_run "ab7b_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8 \
-      --jobs-total 64 --max-tokens 64
-    ab_run "ab05_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
-      --throughput 32 --jobs-total 256 --max-tokens 64
+    if [[ " ${ATTN_SHAPES:-7b 05} " == *" 7b "* ]]; then
+      ab_run "ab7b_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8 \
+        --jobs-total 64 --max-tokens 64
+    fi
+    if [[ " ${ATTN_SHAPES:-7b 05} " == *" 05 "* ]]; then
+      ab_run "ab05_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
+        --throughput 32 --jobs-total 256 --max-tokens 64
+    fi
   done
+  return 0
 }
 
 # TQ_BASELINE: another turboquant_batch.py (its step kernel: STEP_SOURCE, STEP_HEADER).
@@ -375,6 +381,11 @@ stage_ncudetail() {  # issues 7 / 8: why the step attention kernels take their t
   ncu_each ncud "${NCUD_SPECS:-step --shape qwen2.5-7b --rows 8;tqbatch --shape qwen2.5-0.5b --rows 32 --context 1024;\
 tq --shape 7b --context 32768}" --profile-from-start off --kernel-name "regex:attention|tq_" --launch-count 2 \
     --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats
+}
+
+stage_tqblocks() {  # issue 7: the one-job step kernel's blocks a step (TQ_BLOCKS: STEP_BLOCKS values) at 8k / 32k
+  step tqblocks 300 python3 bench/turboquant_attention.py --shapes 7b,0.5b --contexts 8192,32768 --paths step \
+    --step-blocks "${TQ_BLOCKS:-1024,2048}" --out "$R/tqblocks.json"
 }
 
 stage_tp7bwarm() {  # issue 8: the 7B rows of the matrix on a machine's first bench process (cold: MLX compiles the
