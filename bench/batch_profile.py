@@ -5,7 +5,11 @@ prompt pass's shape, seconds and peak memory, on a model of a real shape.
 
 Device work is asynchronous: a function's time includes waiting for the
 device only where it reads a result back (prompt passes evaluate their
-caches; a step's tokens are read one step later).
+caches; a step's tokens are read one step later). `--sync-steps` evaluates
+each step as it is queued instead (no pipelining: slower overall) and records
+its seconds to queue and to finish, by what came before it (a window flush,
+rows placed, neither): where a step's time goes in a whole run, as against a
+probe's steady steps.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from batchgen import entering
+from batchgen.batch import BatchScheduler
 from batchgen.bench import BenchConfig, _repeat_jobs, bench_jobs, load_pair
-from batchgen.config import DEMO_MODEL_DIR, EngineConfig
+from batchgen.compiled_step import CompiledSteps
+from batchgen.config import DEMO_MODEL_DIR, EngineConfig, KVConfig
 from batchgen.engine import Engine
 
 
@@ -69,6 +75,45 @@ def _timed_passes(log: list) -> None:
     Engine._prefill = timed_single
 
 
+def _synced_steps(log: list) -> None:
+    """Evaluate each step as it is queued; record (kind, queue_s, finish_s)."""
+    queue, place, flush = BatchScheduler._queue_step, BatchScheduler._place, CompiledSteps.flush
+    events = set()
+
+    def placed(self, index, row):
+        events.add("placed")
+        return place(self, index, row)
+
+    def flushed(self, cache):
+        if self.used:
+            events.add("flush")
+        return flush(self, cache)
+
+    def timed(self, prev):
+        start = time.perf_counter()
+        step = queue(self, prev)
+        queued = time.perf_counter()
+        mx.eval(step.tokens)
+        kind = "+".join(sorted(events)) or "plain"
+        events.clear()
+        log.append((kind, queued - start, time.perf_counter() - queued))
+        return step
+
+    BatchScheduler._queue_step, BatchScheduler._place, CompiledSteps.flush = timed, placed, flushed
+
+
+def step_summary(log: list) -> dict:
+    """Per kind of step: count, and median / total ms to queue and to finish."""
+    out = {}
+    for kind in sorted({k for k, _, _ in log}):
+        q = sorted(x[1] for x in log if x[0] == kind)
+        f = sorted(x[2] for x in log if x[0] == kind)
+        out[kind] = {"steps": len(q), "queue_ms_median": round(q[len(q) // 2] * 1e3, 3),
+                     "finish_ms_median": round(f[len(f) // 2] * 1e3, 3), "queue_s": round(sum(q), 3),
+                     "finish_s": round(sum(f), 3)}  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("jobs", type=Path)
@@ -79,10 +124,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--uncompiled", action="store_true", help="step the model uncompiled")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--kv-cache", default="fp16", choices=["fp16", "turboquant"])
     ap.add_argument("--cold", action="store_true", help="empty the prompt pool after the warm-up (as --throughput runs)")
+    ap.add_argument("--sync-steps", action="store_true", help="evaluate each step as queued; time it by kind")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    engine_cfg = EngineConfig(model=a.model, batch_size=a.batch, compiled_batch_step=not a.uncompiled)
+    engine_cfg = EngineConfig(model=a.model, batch_size=a.batch, compiled_batch_step=not a.uncompiled,
+                              kv=KVConfig(kind=a.kv_cache))  # fmt: skip
     cfg = BenchConfig(engine_cfg, jobs_path=a.jobs, shape=a.shape, max_tokens=a.max_tokens)
     _, tokenizer, engine, _ = load_pair(cfg)
     base, system = bench_jobs(cfg, tokenizer)
@@ -94,6 +142,9 @@ def main() -> None:
         engine.pool.forget()
     passes: list = []
     _timed_passes(passes)
+    steps: list = []
+    if a.sync_steps:
+        _synced_steps(steps)
     profile = cProfile.Profile()
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -109,7 +160,8 @@ def main() -> None:
     summary = {"shape": a.shape, "batch": a.batch, "jobs": len(jobs), "wall_s": round(wall, 3),
                "tokens_per_s": round(tokens / wall, 1), "report": engine.batch_report,
                "compiled": not a.uncompiled, "peak_memory_gb": round(max(_peak[0], mx.get_peak_memory()) / 1e9, 3),
-               "active_memory_gb": round(mx.get_active_memory() / 1e9, 3), "passes": passes}  # fmt: skip
+               "active_memory_gb": round(mx.get_active_memory() / 1e9, 3), "steps": step_summary(steps),
+               "passes": passes}  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
     if a.out:
         a.out.write_text(json.dumps(summary, indent=1))
