@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -386,6 +386,15 @@ tq --shape 7b --context 32768}" --profile-from-start off --kernel-name "regex:at
 stage_tqblocks() {  # issue 7: the one-job step kernel's blocks a step (TQ_BLOCKS: STEP_BLOCKS values) at 8k / 32k
   step tqblocks 300 python3 bench/turboquant_attention.py --shapes 7b,0.5b --contexts 8192,32768 --paths step \
     --step-blocks "${TQ_BLOCKS:-1024,2048}" --out "$R/tqblocks.json"
+}
+
+stage_syncsteps() {  # issue 8: where a whole run's step time goes, TurboQuant rows against fp16 rows (0.5B shape,
+  # 32 rows; each step evaluated as queued, timed by what came before it: bench/batch_profile.py --sync-steps)
+  local kv
+  for kv in turboquant fp16; do
+    step "syncsteps_$kv" 150 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
+      --jobs-total 128 --max-tokens 128 --kv-cache "$kv" --sync-steps --top 60 --out "$R/syncsteps_$kv.json"
+  done
 }
 
 stage_tp7bwarm() {  # issue 8: the 7B rows of the matrix on a machine's first bench process (cold: MLX compiles the
