@@ -328,7 +328,7 @@ _FUSED_STEP_SOURCE = FUSED_STEP_HEAD + _STEP_PART
 
 
 def batch_decode_supported(queries, cache) -> bool:
-    """CUDA, keys and values of one head size (a multiple of 32, <= 256)."""
+    """CUDA, keys and values of one head size that `kernel_head_size` takes."""
     k, v = cache.keys, cache.values
     return k is not None and _cuda() and kernel_head_size(queries, k, v)
 

@@ -124,9 +124,14 @@ class StepCache:
 
 def kernel_head_size(*arrays) -> bool:
     """What the batch attention kernels (`attention`) take: one head size over
-    all these arrays, a multiple of 32 (a lane per 1/32 of it), at most 256."""
+    all these arrays, 32, 64, 128 or 256 (D / 8 lanes read a position: a power
+    of two that divides a warp).
+
+    >>> [kernel_head_size(mx.zeros((1, d))) for d in (32, 64, 96, 128, 256, 512)]
+    [True, True, False, True, True, False]
+    """
     d = arrays[0].shape[-1]
-    return all(a.shape[-1] == d for a in arrays) and d % 32 == 0 and d <= 256
+    return all(a.shape[-1] == d for a in arrays) and d in (32, 64, 128, 256)
 
 
 def kernel_takes(*arrays) -> bool:

@@ -457,7 +457,7 @@ STEP_SOURCE = WINDOW_PART + LANE_PART + """
 
 def kernel_fits(layout: Layout) -> bool:
     """What `STEP_SOURCE` takes: one power-of-two head size of 32-256 (the
-    Hadamard rotation, a lane per 1/32 of it), sinks and a tail (window > 1)."""
+    Hadamard rotation; D / 8 lanes a position), sinks and a tail (window > 1)."""
     d = layout.key_dim
     return layout.value_dim == d and d in (32, 64, 128, 256) and layout.sink_tokens > 0 and layout.tail > 0
 

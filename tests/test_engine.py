@@ -198,7 +198,7 @@ def test_prompt_pass_gives_the_first_token(model_dir, pad):
     assert (r.usage.completion_tokens, r.stats.forward_passes, r.finish_reason) == (1, 1, "length")
 
 
-@pytest.mark.parametrize("module,examples", [("engine", 1), ("entering", 4), ("batch", 1)])
+@pytest.mark.parametrize("module,examples", [("engine", 1), ("entering", 4), ("batch", 1), ("compiled_step", 3)])
 def test_docstring_examples(module, examples):
     import doctest
     import importlib
