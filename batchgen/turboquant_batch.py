@@ -140,12 +140,13 @@ class TurboQuantBatchLayer:
         lo = max(n - lay.tail, lay.sink_tokens)  # the tail's positions read at all: lo .. n - 1
 
         def part(codes, norms, bits, dim, recent):
-            x = dequantize(codes[:, :, lo - lay.sink_tokens : n - lay.sink_tokens],
-                           norms[:, :, lo - lay.sink_tokens : n - lay.sink_tokens], bits, rotation(dim, lay.seed),
-                           lay.dtype)  # fmt: skip
             have = 0 if recent is None or job.offset != n else min(recent.shape[2], n - lo)
-            if have:
-                x = mx.concatenate([x[:, :, : n - lo - have], recent[:, :, -have:].astype(lay.dtype)], axis=2)
+            parts = [recent[:, :, -have:].astype(lay.dtype)] if have else []
+            if have < n - lo:  # decoded only where no recent copy is left (a graph of ~50 ops a layer)
+                cols = slice(lo - lay.sink_tokens, n - have - lay.sink_tokens)
+                parts.insert(0, dequantize(codes[:, :, cols], norms[:, :, cols], bits, rotation(dim, lay.seed),
+                                           lay.dtype))  # fmt: skip
+            x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
             return mx.pad(x, [(0, 0), (0, 0), (lay.tail - (n - lo), 0), (0, 0)])
 
         if lo >= n:

@@ -212,6 +212,34 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
         assert step.offset.tolist() == [n + t for n in lengths]
 
 
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_placing_decodes_only_positions_without_recent_copies(monkeypatch, trimmed):
+    """A job's tail comes from its recent exact copies; only where a trim
+    dropped them are codes decoded (for those positions alone), and the tail
+    is the same either way as its own cache's exact parts and decoded codes."""
+    from batchgen import turboquant_batch as T
+    from batchgen.turboquant import TurboQuantKVCache
+
+    decoded = []
+    real = T.dequantize
+    monkeypatch.setattr(T, "dequantize", lambda codes, *a: decoded.append(codes.shape[2]) or real(codes, *a))
+    mx.random.seed(1)
+    n, extra = 37, 20 if trimmed else 0
+    kv = mx.random.normal((1, 2, n + extra, 64))
+    c = TurboQuantKVCache(4, seed=3)
+    c.update_and_fetch(kv, kv * 0.5)
+    c.trim(extra)
+    layer = T.TurboQuantBatchLayer(1)
+    layer._idx = 40
+    layer.place(0, c, n, 1)
+    lay = layer.layout
+    assert decoded == ([lay.tail, lay.tail] if trimmed else [])  # keys, values
+    cols = slice(n - lay.tail - lay.sink_tokens, n - lay.sink_tokens)
+    want = (real(c.key_codes[:, :, cols], c.key_norms[:, :, cols], lay.key_bits, T.rotation(64, 3), mx.float32)
+            if trimmed else c.recent_keys[:, :, -lay.tail :])  # fmt: skip
+    assert mx.array_equal(layer.tail_keys, want).item()
+
+
 def test_failing_job_fails_alone(model_dir):
     path = model_dir("qwen2", max_position_embeddings=40)
     items = jobs()
