@@ -349,14 +349,14 @@ ab_run() {  # ab_run NAME SIDE BASELINE ARGS...: one bench CLI run, the shipped 
 
 stage_attnab() {  # issue 8: whole runs, the shipped attention and ATTN_BASELINE in turn (ATTN_ORDER), one machine;
   # ATTN_SHAPES: which of the 7B (8 rows) and 0.5B (32 rows) runs
-  local side i=0
+  local side i=0 shapes=" ${ATTN_SHAPES:-7b 05} "
   for side in ${ATTN_ORDER:-baseline shipped baseline shipped}; do
     i=$((i + 1))
-    if [[ " ${ATTN_SHAPES:-7b 05} " == *" 7b "* ]]; then
+    if [[ $shapes == *" 7b "* ]]; then
       ab_run "ab7b_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8 \
         --jobs-total 64 --max-tokens 64
     fi
-    if [[ " ${ATTN_SHAPES:-7b 05} " == *" 05 "* ]]; then
+    if [[ $shapes == *" 05 "* ]]; then
       ab_run "ab05_$i" "$side" "$ATTN_BASELINE" jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" \
         --throughput 32 --jobs-total 256 --max-tokens 64
     fi
