@@ -9,7 +9,9 @@ caches; a step's tokens are read one step later). `--sync-steps` evaluates
 each step as it is queued instead (no pipelining: slower overall) and records
 its seconds to queue and to finish, by what came before it (a window flush,
 rows placed, neither): where a step's time goes in a whole run, as against a
-probe's steady steps.
+probe's steady steps. `--keep-buffers` leaves MLX's buffer cache alone for
+the run (batchgen empties it after prompt passes): a step that must allocate
+anew waits on the allocator.
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ def main() -> None:
     ap.add_argument("--kv-cache", default="fp16", choices=["fp16", "turboquant"])
     ap.add_argument("--cold", action="store_true", help="empty the prompt pool after the warm-up (as --throughput runs)")
     ap.add_argument("--sync-steps", action="store_true", help="evaluate each step as queued; time it by kind")
+    ap.add_argument("--keep-buffers", action="store_true",
+                    help="skip mx.clear_cache during the run (MLX's freed buffers stay cached for reuse)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     engine_cfg = EngineConfig(model=a.model, batch_size=a.batch, compiled_batch_step=not a.uncompiled,
@@ -145,6 +149,8 @@ def main() -> None:
     steps: list = []
     if a.sync_steps:
         _synced_steps(steps)
+    if a.keep_buffers:
+        mx.clear_cache = lambda: None
     profile = cProfile.Profile()
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -159,7 +165,9 @@ def main() -> None:
     print(text.getvalue())
     summary = {"shape": a.shape, "batch": a.batch, "jobs": len(jobs), "wall_s": round(wall, 3),
                "tokens_per_s": round(tokens / wall, 1), "report": engine.batch_report,
-               "compiled": not a.uncompiled, "peak_memory_gb": round(max(_peak[0], mx.get_peak_memory()) / 1e9, 3),
+               "compiled": not a.uncompiled, "keep_buffers": a.keep_buffers,
+               "cache_memory_gb": round(mx.get_cache_memory() / 1e9, 3),
+               "peak_memory_gb": round(max(_peak[0], mx.get_peak_memory()) / 1e9, 3),
                "active_memory_gb": round(mx.get_active_memory() / 1e9, 3), "steps": step_summary(steps),
                "passes": passes}  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))

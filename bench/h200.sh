@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -394,6 +394,17 @@ stage_syncsteps() {  # issue 8: where a whole run's step time goes, TurboQuant r
   for kv in turboquant fp16; do
     step "syncsteps_$kv" 150 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
       --jobs-total 128 --max-tokens 128 --kv-cache "$kv" --sync-steps --top 60 --out "$R/syncsteps_$kv.json"
+  done
+}
+
+stage_keepbuf() {  # issue 8: the same whole runs pipelined as shipped, with and without emptying MLX's buffer cache
+  local kv keep
+  for kv in turboquant fp16; do
+    for keep in "" --keep-buffers; do
+      step "keepbuf_$kv${keep:+_keep}" 120 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b \
+        --batch 32 --jobs-total 128 --max-tokens 128 --kv-cache "$kv" $keep --top 30 \
+        --out "$R/keepbuf_$kv${keep:+_keep}.json"
+    done
   done
 }
 
