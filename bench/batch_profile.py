@@ -98,7 +98,7 @@ def _synced_steps(log: list) -> None:
         mx.eval(step.tokens)
         kind = "+".join(sorted(events)) or "plain"
         events.clear()
-        log.append((kind, queued - start, time.perf_counter() - queued))
+        log.append((kind, queued - start, time.perf_counter() - queued, self.B, self.step))
         return step
 
     BatchScheduler._queue_step, BatchScheduler._place, CompiledSteps.flush = timed, placed, flushed
@@ -107,7 +107,7 @@ def _synced_steps(log: list) -> None:
 def step_summary(log: list) -> dict:
     """Per kind of step: count, and median / total ms to queue and to finish."""
     out = {}
-    for kind in sorted({k for k, _, _ in log}):
+    for kind in sorted({x[0] for x in log}):
         q = sorted(x[1] for x in log if x[0] == kind)
         f = sorted(x[2] for x in log if x[0] == kind)
         out[kind] = {"steps": len(q), "queue_ms_median": round(q[len(q) // 2] * 1e3, 3),
@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--kv-cache", default="fp16", choices=["fp16", "turboquant"])
     ap.add_argument("--cold", action="store_true", help="empty the prompt pool after the warm-up (as --throughput runs)")
     ap.add_argument("--sync-steps", action="store_true", help="evaluate each step as queued; time it by kind")
+    ap.add_argument("--no-shrink", action="store_true", help="keep every row to the end (no `_shrink` of the batch)")
     ap.add_argument("--keep-buffers", action="store_true",
                     help="skip mx.clear_cache during the run (MLX's freed buffers stay cached for reuse)")
     ap.add_argument("--out", type=Path)
@@ -151,6 +152,8 @@ def main() -> None:
         _synced_steps(steps)
     if a.keep_buffers:
         mx.clear_cache = lambda: None
+    if a.no_shrink:
+        BatchScheduler._shrink = lambda self: None
     profile = cProfile.Profile()
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -165,12 +168,12 @@ def main() -> None:
     print(text.getvalue())
     summary = {"shape": a.shape, "batch": a.batch, "jobs": len(jobs), "wall_s": round(wall, 3),
                "tokens_per_s": round(tokens / wall, 1), "report": engine.batch_report,
-               "compiled": not a.uncompiled, "keep_buffers": a.keep_buffers,
+               "compiled": not a.uncompiled, "keep_buffers": a.keep_buffers, "shrink": not a.no_shrink,
                "cache_memory_gb": round(mx.get_cache_memory() / 1e9, 3),
                "peak_memory_gb": round(max(_peak[0], mx.get_peak_memory()) / 1e9, 3),
                "active_memory_gb": round(mx.get_active_memory() / 1e9, 3), "steps": step_summary(steps),
-               "passes": passes}  # fmt: skip
-    print(json.dumps({k: v for k, v in summary.items() if k != "passes"}))
+               "passes": passes, "step_log": [[k, round(q * 1e3, 2), round(f * 1e3, 2), b, i] for k, q, f, b, i in steps]}  # fmt: skip
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("passes", "step_log")}))
     if a.out:
         a.out.write_text(json.dumps(summary, indent=1))
         a.out.with_suffix(".txt").write_text(text.getvalue())

@@ -5,7 +5,7 @@ fails alone."""
 import mlx.core as mx
 import pytest
 
-from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
+from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine import Engine
 from batchgen.jobs import BadJob, NATIVE
 
@@ -23,10 +23,11 @@ TEXTS = [
 LENGTHS = [17, 5, 30, 9, 1, 23, 12]
 
 
-def engine(path, batch_size, pool=True, compiled=True):
+def engine(path, batch_size, pool=True, compiled=True, kv=None):
     cfg = EngineConfig(
         model=str(path), fuse=False, decode=DecodeConfig(draft="none"), batch_size=batch_size,
         prompt_cache=PromptCacheConfig(enabled=pool, prewarm=False), compiled_batch_step=compiled,
+        kv=kv or KVConfig(),
     )  # fmt: skip
     return Engine.load(cfg)
 
@@ -457,6 +458,39 @@ def test_host_copy_of_left_padding_follows_the_caches(model_dir, monkeypatch):
     seq = {r.id: r.text for r in engine(path, 1).run_all(jobs())}
     assert {r.id: r.text for r in sched.run(jobs())} == seq
     assert len(checks) > 20 and all(checks)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "turboquant"])
+@pytest.mark.parametrize("shrinks", [True, False])
+def test_freed_rows_are_emptied_and_the_batch_shrinks_only_where_told(model_dir, kv, shrinks):
+    """A freed row that no job takes starts at the write position in every
+    layer (its attention reads nothing of the job that left); the batch drops
+    its empty rows at the end only where `shrinks` (not on the step kernels'
+    path); the texts are the sequential ones either way."""
+    from batchgen.batch import BatchScheduler
+
+    path = model_dir("qwen2")
+    cfg = KVConfig(kind=kv, bits=4)
+
+    def load(batch_size):
+        return engine(path, batch_size, pool=False, kv=cfg)
+
+    sched = BatchScheduler(load(3), 3, kv_budget_bytes=1 << 30)
+    sched.shrinks = shrinks
+    emptied = []
+    real_empty = sched._empty_freed
+
+    def spy():
+        freed = [i for i in sched.freed if sched.rows[i] is None]
+        real_empty()
+        if freed and sched.cache[0]._idx:
+            emptied.append(all(c.left_padding[i].item() == c._idx for c in sched.cache for i in freed))
+
+    sched._empty_freed = spy
+    seq = {r.id: r.text for r in load(1).run_all(jobs())}
+    assert {r.id: r.text for r in sched.run(jobs())} == seq
+    assert emptied and all(emptied)
+    assert sched.B == (1 if shrinks else 3)
 
 
 def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
