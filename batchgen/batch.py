@@ -20,7 +20,8 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
   once, duplicates once), each gets its first token from that pass, and its KV
   is written into a free row, right-aligned to the batch's write position;
 - a finished job just frees its row; the row's next steps are ignored, no
-  arrays move;
+  arrays move, and until a job takes the row it starts at the write position
+  (its attention reads nothing of the job that left);
 - the next step is queued before the current tokens are read back, and the
   tokens of all rows come back in one transfer;
 - with `DecodeConfig.pld_in_batch`, greedy rows draft from their own context
@@ -28,9 +29,10 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
   the pass pays.
 
 Rows share the left-padded buffer; when every live row has at least
-`_COMPACT_PAD` positions of padding, the common padding is cut off. Once the
-job stream is exhausted and at most half the rows are live, the batch shrinks
-to the live rows, so the tail of a run does not pay for empty rows.
+`_COMPACT_PAD` positions of padding, the common padding is cut off. Off the
+step kernels' path (where a step's cost follows its rows), once the job stream
+is exhausted and at most half the rows are live, the batch shrinks to the live
+rows; with the kernels it keeps its rows (`BatchScheduler.shrinks`).
 """
 
 from __future__ import annotations
