@@ -445,13 +445,15 @@ def _repeat_jobs(jobs: list[Job], n: int) -> list[Job]:
 
 
 def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_jobs: int = 32, log=print,
-                   drafts: list[str] | None = None, repeats: int = 1) -> dict:  # fmt: skip
+                   drafts: list[str] | None = None, repeats: int = 1, on_rows=None) -> dict:  # fmt: skip
     """`batch_sizes`: ints, or "auto" (the engine's KV-budget sizing; mlx-lm
     gets the same number of rows). `drafts`: batchgen's runs at each size, one
     per draft kind (default: the configured one), beside one `batch_generate` run.
     `repeats`: each side's timed run that many times, the sides' order reversed
     every other round (one side's run can vary by a third from one to the next
-    on a GPU); a row reports each side's median run and lists every run's tok/s."""
+    on a GPU); a row reports each side's median run and lists every run's tok/s.
+    `on_rows(result)`: called with the result so far after each batch size's
+    rows (a run cut short keeps the sizes it finished)."""
     from mlx_lm.generate import batch_generate
 
     from .engine import device_name
@@ -481,7 +483,13 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
         tokens = sum(len(ids) for ids in r.token_ids)
         return time.perf_counter() - start, r.texts, tokens, mx.get_peak_memory() / 1e9
 
-    rows = []
+    rows: list = []
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
+        "dtype": weights_dtype(engine.model),
+        "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic", "rows": rows,
+    }  # fmt: skip
     for size in batch_sizes:
         b = size
         if size == "auto":
@@ -503,16 +511,18 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
             rows.append({**row, "requested": size, "draft": draft, "batchgen": {**row["batchgen"], **report}})
             if repeats > 1:
                 rows[-1]["runs_tokens_per_s"] = {"mlx_lm_batch_generate": plain_tps, "batchgen": tps}
+        _over_sequential(rows)
+        if on_rows is not None:
+            on_rows(result)
+    return result
+
+
+def _over_sequential(rows: list) -> None:
+    """Each row's batchgen tok/s over its draft kind's one-row run, where there is one."""
     for r in rows:
         seq = next((s for s in rows if s["batch_size"] == 1 and s["draft"] == r["draft"]), None)
         if seq:
             r["batchgen_over_batchgen_sequential"] = r["batchgen"]["tokens_per_s"] / seq["batchgen"]["tokens_per_s"]
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
-        "dtype": weights_dtype(engine.model),
-        "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic", "rows": rows,
-    }  # fmt: skip
 
 
 def _runs_in_turn(repeats: int, sides: dict) -> dict:

@@ -260,10 +260,13 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
         drafts = throughput_drafts.split(",") if throughput_drafts else None
         if drafts and not set(drafts) <= set(DRAFT_KINDS):
             _fail(f"--throughput-drafts: draft kinds are {', '.join(DRAFT_KINDS)}")
-        result = run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True), drafts=drafts,
-                                repeats=throughput_repeats)  # fmt: skip
         out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps(result, indent=2) + "\n")
+
+        def write(result: dict) -> None:  # after each batch size: a run cut short keeps the sizes it finished
+            out_json.write_text(json.dumps(result, indent=2) + "\n")
+
+        run_throughput(cfg, sizes, jobs_total, log=lambda line: click.echo(line, err=True), drafts=drafts,
+                       repeats=throughput_repeats, on_rows=write)  # fmt: skip
         click.echo(f"wrote {out_json}")
         return
     result = run_bench(cfg, log=lambda line: click.echo(line, err=True))

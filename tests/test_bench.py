@@ -87,6 +87,30 @@ def test_bench_random_shape_and_throughput(tmp_path, model):
     assert cached[0] > 0 and abs(cached[1] - cached[0]) <= rows[1]["jobs"], cached
 
 
+def test_throughput_keeps_the_rows_of_sizes_it_finished(tmp_path, model, monkeypatch):
+    """A run cut short (here batch_generate failing at the second size) leaves
+    the first size's row in the output file."""
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")  # the package's `generate` is a function
+    real = generate.batch_generate
+
+    def fails_at_two(*args, completion_batch_size, **kwargs):
+        if completion_batch_size == 2:
+            raise RuntimeError("cut short")
+        return real(*args, completion_batch_size=completion_batch_size, **kwargs)
+
+    monkeypatch.setattr(generate, "batch_generate", fails_at_two)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
+    out = tmp_path / "t.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--throughput", "1,2",
+                                  "--jobs-total", "4", "--max-tokens", "4", "--out", str(out)])  # fmt: skip
+    assert r.exit_code != 0 and "cut short" in str(r.exception)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch_size"] for row in rows] == [1]
+    assert rows[0]["batchgen"]["completion_tokens"] > 0
+
+
 def test_throughput_runs_each_draft_kind_beside_one_batch_generate_run(tmp_path, model):
     loopy = [{"id": f"l{i}", "messages": [{"role": "user", "content": "ab ab ab ab " * (i + 2)}]} for i in range(3)]
     jobs = write_jobs(tmp_path / "jobs.jsonl", loopy)
