@@ -204,9 +204,9 @@ class BatchScheduler:
         # where a step's cost follows its rows (the ops path, a CPU). With the
         # step kernels a step of 2 rows costs about what one of 32 does (the
         # weights are read once for all rows; an emptied row's attention reads
-        # only its new token, `_empty_freed`), and each new row count is a new
-        # recording and new kernel builds: the last two shrunk steps of a
-        # 128-job run (0.5B shape) took 4.3 and 3.5 s on an H200.
+        # only what was written after it, `_empty_freed`), and each new row
+        # count is a new recording and new kernel builds: the last two shrunk
+        # steps of a 128-job run (0.5B shape) took 4.3 and 3.5 s on an H200.
         self.shrinks = not kernel
         self.freed: set[int] = set()  # rows freed since the last step
         # Prompt lookup over fp16 rows (`batch_pld`): verify passes of `width` positions a row.
