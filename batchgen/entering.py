@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache
 from .attention import mark_cache
 from .engine import Engine, JobPlan, generation_stream, logits_at, padded_length, pads_exactly
 from .prompt_cache import clone_cache, common_prefix_len, trim_cache
+from .turboquant import TurboQuantKVCache
 
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
@@ -131,8 +132,8 @@ def layer_by_layer(model: nn.Module, on: bool):
 
 
 def prefill_rows(model: nn.Module, cache: list, tails: list[list[int]], length: int, rows: int) -> mx.array:
-    """One pass over several prompts' tails into `cache` (plain KV caches of
-    `rows` rows holding the same prefix: one row per tail, spare rows after).
+    """One pass over several prompts' tails into `cache` (`group_cache`: `rows`
+    rows holding the same prefix, one row per tail, spare rows after).
     Each tail is right-padded to `length` with its last token: causal attention
     keeps the real tokens' entries and logits exactly as in a pass of their own,
     and the pads are cut when a row is taken out (`cache_row`). Returns each
@@ -146,12 +147,32 @@ def prefill_rows(model: nn.Module, cache: list, tails: list[list[int]], length: 
     return logits
 
 
-def cache_row(cache: list, row: int, length: int) -> list:
-    """Row `row` of a batched plain KV cache, its first `length` positions, as a
-    cache of its own (copied: it must not keep the whole batch's buffer alive
-    once evaluated)."""
+def group_cache(cache: list, cached: int, rows: int, length: int) -> list:
+    """A one-row cache holding `cached` tokens, repeated in `rows` rows for one
+    pass over tails of up to `length` tokens after them (`prefill_rows`)."""
     out = []
     for c in cache:
+        if isinstance(c, TurboQuantKVCache):
+            out.append(c.repeated(rows, reserve=length))
+            continue
+        g = KVCache()
+        if cached:
+            g.keys = mx.repeat(c.keys[..., :cached, :], rows, axis=0)
+            g.values = mx.repeat(c.values[..., :cached, :], rows, axis=0)
+            g.offset = cached
+        out.append(g)
+    return out
+
+
+def cache_row(cache: list, row: int, length: int, padded: int) -> list:
+    """Row `row` of a `group_cache` after its pass over tails of up to `padded`
+    tokens, its first `length` positions, as a cache of its own (copied: it must
+    not keep the whole batch's buffer alive once evaluated)."""
+    out = []
+    for c in cache:
+        if isinstance(c, TurboQuantKVCache):
+            out.append(c.row(row, length, reserve=padded))
+            continue
         one = KVCache()
         one.keys = mx.contiguous(c.keys[row : row + 1, :, :length, :])
         one.values = mx.contiguous(c.values[row : row + 1, :, :length, :])
@@ -161,7 +182,8 @@ def cache_row(cache: list, row: int, length: int) -> list:
 
 
 def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_last: bool = False) -> list[tuple]:
-    """`Engine.start_prompt` for prompts that enter together (plain KV caches):
+    """`Engine.start_prompt` for prompts that enter together (plain KV caches or
+    TurboQuant's):
 
     - those with the same cached prefix share one pass over their tails, as
       rows of a batch (`prefill_rows`), instead of a pass each;
@@ -237,9 +259,11 @@ def _prefix_groups(engine: Engine, unique: list[int], prompts: list[list[int]], 
 
 def _can_share(prompt: list[int], cache: list, cached: int, step: int) -> bool:
     """Whether a prompt whose first `cached` tokens are in `cache` can be a row
-    of a shared pass: plain caches (a trim drops the pads and nothing else) and
-    a tail within the prefill `step`."""
-    return pads_exactly(cache) and len(prompt) - cached <= step
+    of a shared pass: plain caches (a trim drops the pads and nothing else) or
+    TurboQuant's (`TurboQuantKVCache.repeated`), and a tail within the prefill
+    `step`."""
+    rows = pads_exactly(cache) or all(isinstance(c, TurboQuantKVCache) for c in cache)
+    return rows and len(prompt) - cached <= step
 
 
 def _merge_hits(unique: list[int], prompts: list[list[int]], fetched: dict, step: int) -> None:
@@ -285,18 +309,13 @@ def _start_rows(engine: Engine, prompts: list[list[int]], prefix: tuple[list, in
     cache, cached = prefix
     tails = [t[cached:] for t in prompts]
     rows, length = pass_shape(len(tails), max(len(t) for t in tails), _pad_step(engine))
-    group = [KVCache() for _ in cache]
-    for g, c in zip(group, cache):
-        if cached:
-            g.keys = mx.repeat(c.keys[..., :cached, :], rows, axis=0)
-            g.values = mx.repeat(c.values[..., :cached, :], rows, axis=0)
-            g.offset = cached
+    group = group_cache(cache, cached, rows, length)
     if engine.short_attention:
         mark_cache(group)
     logits = prefill_rows(engine.model, group, tails, length, rows)
     taken = []
     for r, (i, tokens) in enumerate(zip(index, prompts)):
-        taken.append(cache_row(group, r, len(tokens)))
+        taken.append(cache_row(group, r, len(tokens), length))
         if engine.short_attention:
             mark_cache(taken[-1])
         out[i] = (taken[-1], cached, logits[r : r + 1])

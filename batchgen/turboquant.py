@@ -779,6 +779,38 @@ class TurboQuantKVCache(_BaseCache):
         self.value_codes, self.value_norms = vc, vn
         self.recent_keys, self.recent_values = rk, rv
 
+    # -- rows of one prompt pass (`entering`) -----------------------------------------
+
+    def repeated(self, rows: int, reserve: int) -> "TurboQuantKVCache":
+        """This one-row cache's tokens in `rows` rows, for one pass over several
+        prompts' tails after them, each right-padded: it keeps `reserve` more
+        exact recent copies, so that cutting up to that many pads off a row
+        (`row`) leaves what a pass of the row's own would (codes never depend on
+        chunking; the copies are what a trim would lose)."""
+        out = self._mapped(lambda a: mx.repeat(a, rows, axis=0))
+        out.trim_reserve += reserve
+        return out
+
+    def row(self, r: int, length: int, reserve: int) -> "TurboQuantKVCache":
+        """Row r of a `repeated` cache (`reserve` as given there) after its pass,
+        cut to its first `length` tokens, as a one-row cache (copied: it must not
+        keep the pass's arrays alive)."""
+        out = self._mapped(lambda a: mx.contiguous(a[r : r + 1]))
+        out.trim(self.offset - length)
+        out.trim_reserve -= reserve
+        extra = out._n_recent - out._recent_capacity  # copies beyond what a pass of its own keeps
+        if extra > 0:
+            out.recent_keys, out.recent_values = out.recent_keys[:, :, extra:], out.recent_values[:, :, extra:]
+        if not out._n_coded:  # all of it in the sinks: no codes, as a pass of its own leaves it
+            out.key_codes = out.key_norms = out.value_codes = out.value_norms = None
+        return out
+
+    def _mapped(self, fn) -> "TurboQuantKVCache":
+        """A cache of this one's meta state holding fn(a) for each of its arrays."""
+        out = TurboQuantKVCache(self.nominal_bits)
+        out.state = [None if a is None else fn(a) for a in self.state[:8]] + list(self.meta_state)
+        return out
+
     # -- attention in the rotated domain ----------------------------------------------
 
     def attention(

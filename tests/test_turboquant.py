@@ -237,6 +237,39 @@ def test_chunking_does_not_change_what_is_stored():
         assert isinstance(x, str) and x == y or mx.array_equal(x, y)
 
 
+def assert_same_state(a, b):
+    for x, y in zip(a.state, b.state, strict=True):
+        assert (x is None and y is None) or (isinstance(x, str) and x == y) or mx.array_equal(x, y)
+
+
+@pytest.mark.parametrize("prefix", [0, 2, 30])
+def test_rows_of_one_padded_pass_equal_passes_of_their_own(prefix):
+    """`repeated` then `row`: tails of 1 .. 40 tokens after a shared prefix, right-
+    padded to 40 in one pass (far past trim_reserve), then cut: each row holds
+    exactly what a pass of its own over its tail holds (codes, sinks, recent
+    copies, offset), and fetches the same; the pass's own arrays stay as they were."""
+    tails = [1, 3, 40, 17]
+    k, v = kv(prefix + 40, 5)
+    base = tq.TurboQuantKVCache(4, trim_reserve=5)
+    if prefix:
+        base.update_and_fetch(k[:, :, :prefix], v[:, :, :prefix])
+    group = base.repeated(len(tails), reserve=40)
+    pads = [mx.concatenate([k[:, :, prefix : prefix + n], mx.repeat(k[:, :, prefix + n - 1 : prefix + n], 40 - n, 2)], 2)
+            for n in tails]  # fmt: skip
+    pad_v = [mx.concatenate([v[:, :, prefix : prefix + n], mx.repeat(v[:, :, prefix + n - 1 : prefix + n], 40 - n, 2)], 2)
+             for n in tails]  # fmt: skip
+    group.update_and_fetch(mx.concatenate(pads, 0), mx.concatenate(pad_v, 0))
+    for r, n in enumerate(tails):
+        alone = tq.TurboQuantKVCache(4, trim_reserve=5)
+        alone.update_and_fetch(k[:, :, : prefix + n], v[:, :, : prefix + n])
+        got = group.row(r, prefix + n, reserve=40)
+        assert got.offset == prefix + n and got.trim_reserve == 5
+        assert_same_state(got, alone)
+        for x, y in zip(fetch_all(got), fetch_all(alone)):
+            assert mx.array_equal(x, y)
+    assert group.offset == prefix + 40 and group.key_codes.shape[0] == len(tails)
+
+
 def reference_window_attention(cache, exact_k, exact_v, q, scale):
     """Per query i: exact keys/values for i - window < j <= i, decoded otherwise."""
     coded_k, coded_v = cache.keys_and_values()
