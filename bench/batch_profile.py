@@ -67,7 +67,7 @@ def _timed_passes(log: list) -> None:
         before = _pass_peak()
         start = time.perf_counter()
         out = real(model, cache, tails, length, rows)
-        cached = cache[0].offset - length if cache[0].keys is not None else 0
+        cached = cache[0].offset - length  # (plain or TurboQuant group caches)
         log.append({"rows": rows, "tails": len(tails), "length": length, "cached": cached,
                     "s": round(time.perf_counter() - start, 4), "peak_before_gb": before,
                     "peak_gb": _pass_peak()})  # fmt: skip
