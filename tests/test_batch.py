@@ -36,6 +36,22 @@ def jobs(sampling=None):
     return [make_job(t, max_tokens=n, job_id=f"j{i}", sampling=sampling) for i, (t, n) in enumerate(zip(TEXTS, LENGTHS))]
 
 
+def record_passes(monkeypatch) -> list:
+    """Each shared prompt pass (`entering.prefill_rows`) from now on, as (rows,
+    tails, length, tokens cached before it)."""
+    import batchgen.entering as ent
+
+    passes = []
+    real = ent.prefill_rows
+
+    def spy(model, cache, tails, length, rows):
+        passes.append((rows, len(tails), length, cache[0].offset))
+        return real(model, cache, tails, length, rows)
+
+    monkeypatch.setattr(ent, "prefill_rows", spy)
+    return passes
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("batch_size,compiled", [(3, True), (8, True), (3, False)])
 def test_batched_greedy_equals_sequential(model_dir, arch, batch_size, compiled):
@@ -267,24 +283,16 @@ def test_entering_jobs_share_one_prompt_pass(model_dir, monkeypatch, pad):
     """Jobs entering together are prefilled as rows of one pass (padded: rows
     and length to powers of two); texts and token counts as one by one."""
     import batchgen.engine as eng
-    import batchgen.entering as ent
 
     path = model_dir("qwen2")
     seq = {r.id: r for r in engine(path, 1).run_all(jobs())}
-    passes = []
-    real = ent.prefill_rows
-
-    def spy(model, cache, tails, length, rows):
-        passes.append((rows, len(tails), length))
-        return real(model, cache, tails, length, rows)
-
-    monkeypatch.setattr(ent, "prefill_rows", spy)
+    passes = record_passes(monkeypatch)
     e = engine(path, 8)
     e.pad_prompts = pad
     tokens = [e.prompt_tokens(j) for j in jobs()]
     got = {r.id: r for r in e.run_all(jobs())}
     longest = max(len(t) for t in tokens)
-    assert passes == [(8 if pad else 7, 7, eng.padded_length(longest, 2048) if pad else longest)]
+    assert passes == [(8 if pad else 7, 7, eng.padded_length(longest, 2048) if pad else longest, 0)]
     for i, r in got.items():
         assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
         assert r.usage.cached_tokens == 0  # the pool was empty when they entered
@@ -292,7 +300,6 @@ def test_entering_jobs_share_one_prompt_pass(model_dir, monkeypatch, pad):
 
 
 def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypatch):
-    import batchgen.entering as ent
     from batchgen.jobs import Job
 
     system = "You are a helpful assistant. Answer briefly and exactly."
@@ -303,13 +310,11 @@ def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypa
     ]  # fmt: skip
     path = model_dir("llama")
     seq = {r.id: r for r in engine(path, 1).run_all(batch)}
-    passes = []
-    real = ent.prefill_rows
-    monkeypatch.setattr(ent, "prefill_rows", lambda m, c, tails, n, rows: passes.append(rows) or real(m, c, tails, n, rows))
+    passes = record_passes(monkeypatch)
     e = engine(path, 4)
     prefix = e.prewarm(system, "test")["tokens"]
     got = {r.id: r for r in e.run_all(batch)}
-    assert passes == [4]
+    assert [p[0] for p in passes] == [4]
     for i, r in got.items():
         assert r.usage.cached_tokens == prefix > 0
         assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
@@ -497,7 +502,6 @@ def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
     """Interleaved jobs of two system prompts: read ahead and put in prefix
     order, each admission round holds one system prompt's jobs (one shared pass
     each); texts as one by one."""
-    import batchgen.entering as ent
     from batchgen.batch import prefix_key, read_ahead
     from batchgen.jobs import Job
 
@@ -512,12 +516,10 @@ def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
     assert prefix_key(batch[1]).startswith("\x1esystem\x1fAnswer")
     path = model_dir("qwen2")
     seq = {r.id: r for r in engine(path, 1).run_all(batch)}
-    rounds = []
-    real = ent.prefill_rows
-    monkeypatch.setattr(ent, "prefill_rows", lambda m, c, tails, n, rows: rounds.append(len(tails)) or real(m, c, tails, n, rows))
+    passes = record_passes(monkeypatch)
     e = engine(path, 3)
     got = {r.id: r for r in e.run_all(batch)}
-    assert rounds == [3, 3]
+    assert [p[1] for p in passes] == [3, 3]
     for i, r in got.items():
         assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
 

@@ -9,7 +9,7 @@ from batchgen.engine import Engine
 
 from batchgen.turboquant_kernels import available as cuda_available
 
-from test_batch import TEXTS, jobs
+from test_batch import TEXTS, jobs, record_passes
 from test_engine import make_job
 
 needs_cuda = pytest.mark.skipif(not cuda_available(), reason="needs MLX with a CUDA GPU")
@@ -95,18 +95,9 @@ def test_entering_rows_share_one_prompt_pass(model_dir, monkeypatch, pad, pool):
     """TurboQuant rows entering together are rows of one prompt pass (right-
     padded: where passes are padded, far past the cache's trim reserve), after
     the prewarmed system prompt where there is one: texts as alone."""
-    import batchgen.entering as ent
-
     path = model_dir("qwen2")
     items = [_with_system(j) for j in jobs()] if pool else jobs()
-    passes = []
-    real = ent.prefill_rows
-
-    def spy(model, cache, tails, length, rows):
-        passes.append((rows, len(tails), length))
-        return real(model, cache, tails, length, rows)
-
-    monkeypatch.setattr(ent, "prefill_rows", spy)
+    passes = record_passes(monkeypatch)
     e1, e8 = engine(path, 1, pool=pool, prewarm=pool), engine(path, 8, pool=pool, prewarm=pool)
     e8.pad_prompts = pad
     if pool:
@@ -122,23 +113,14 @@ def test_entering_rows_share_one_prompt_pass(model_dir, monkeypatch, pad, pool):
 def test_entering_rows_prefill_a_shared_block_once(model_dir, monkeypatch):
     """Entering prompts that share a block beyond any cached prefix: the block
     is one pass of its own, their tails rows of one pass after it; as alone."""
-    import batchgen.entering as ent
-
     path = model_dir("llama")
     items = [make_job(TEXTS[3] + t, max_tokens=10, job_id=f"b{i}") for i, t in enumerate(TEXTS[:4])]
-    passes = []
-    real = ent.prefill_rows
-
-    def spy(model, cache, tails, length, rows):
-        passes.append((len(tails), cache[0].offset, length))
-        return real(model, cache, tails, length, rows)
-
-    monkeypatch.setattr(ent, "prefill_rows", spy)
+    passes = record_passes(monkeypatch)
     alone = run(engine(path, 1), items)
     b4 = engine(path, 4)
     got = run(b4, items)
-    assert len(passes) == 1 and passes[0][0] == 4
-    assert passes[0][1] >= 32  # the rows start after the shared block (SHARED_MIN tokens or more)
+    assert len(passes) == 1 and passes[0][1] == 4
+    assert passes[0][3] >= 32  # the rows start after the shared block (SHARED_MIN tokens or more)
     assert_same_texts(got, alone)
 
 
