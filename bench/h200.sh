@@ -4,7 +4,7 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf tqshared)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -406,6 +406,14 @@ stage_keepbuf() {  # issue 8: the same whole runs pipelined as shipped, with and
         --out "$R/keepbuf_$kv${keep:+_keep}.json"
     done
   done
+}
+
+stage_tqshared() {  # issue 8: TurboQuant rows entering in shared prompt passes, against batch_generate (0.5B
+  # shape, 8 and 32 rows), then where a 128-job run's time goes (its passes' rows and seconds, steps by kind)
+  step tqsh_throughput 300 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 256 --max-tokens 128 --kv-cache turboquant --out "$R/tqshared_0.5b.json"
+  step tqsh_profile 150 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
+    --jobs-total 128 --max-tokens 128 --kv-cache turboquant --sync-steps --top 40 --out "$R/tqshared_profile.json"
 }
 
 stage_tp7bwarm() {  # issue 8: the 7B rows of the matrix on a machine's first bench process (cold: MLX compiles the
