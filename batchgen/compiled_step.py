@@ -122,16 +122,20 @@ class StepCache:
         return sum(a.nbytes for a in self.state)
 
 
+# Head sizes the batch attention kernels take: D / 8 lanes read a position, a
+# power of two that divides a warp.
+KERNEL_HEAD_SIZES = (32, 64, 128, 256)
+
+
 def kernel_head_size(*arrays) -> bool:
     """What the batch attention kernels (`attention`) take: one head size over
-    all these arrays, 32, 64, 128 or 256 (D / 8 lanes read a position: a power
-    of two that divides a warp).
+    all these arrays, one of `KERNEL_HEAD_SIZES`.
 
     >>> [kernel_head_size(mx.zeros((1, d))) for d in (32, 64, 96, 128, 256, 512)]
     [True, True, False, True, True, False]
     """
     d = arrays[0].shape[-1]
-    return all(a.shape[-1] == d for a in arrays) and d in (32, 64, 128, 256)
+    return all(a.shape[-1] == d for a in arrays) and d in KERNEL_HEAD_SIZES
 
 
 def kernel_takes(*arrays) -> bool:

@@ -807,8 +807,8 @@ class TurboQuantKVCache(_BaseCache):
 
     def _mapped(self, fn) -> "TurboQuantKVCache":
         """A cache of this one's meta state holding fn(a) for each of its arrays."""
-        out = TurboQuantKVCache(self.nominal_bits)
-        out.state = [None if a is None else fn(a) for a in self.state[:8]] + list(self.meta_state)
+        out, state = TurboQuantKVCache(self.nominal_bits), self.state
+        out.state = [None if a is None else fn(a) for a in state[:8]] + list(state[8:])
         return out
 
     # -- attention in the rotated domain ----------------------------------------------

@@ -25,7 +25,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .attention import FUSED_STEP_HEAD, HEADER, LANE_PART, MERGE_WEIGHTS, STEP_HEAD, WINDOW_PART, launch
-from .compiled_step import kernel_takes
+from .compiled_step import KERNEL_HEAD_SIZES, kernel_takes
 from .turboquant import (CodedHistory, TurboQuantKVCache, _codebook_arrays, _encode, dequantize, packed_words,
                          rotation)
 
@@ -457,10 +457,10 @@ STEP_SOURCE = WINDOW_PART + LANE_PART + """
 
 
 def kernel_fits(layout: Layout) -> bool:
-    """What `STEP_SOURCE` takes: one power-of-two head size of 32-256 (the
-    Hadamard rotation; D / 8 lanes a position), sinks and a tail (window > 1)."""
+    """What `STEP_SOURCE` takes: one head size of `KERNEL_HEAD_SIZES` (powers
+    of two: the Hadamard rotation needs one too), sinks and a tail (window > 1)."""
     d = layout.key_dim
-    return layout.value_dim == d and d in (32, 64, 128, 256) and layout.sink_tokens > 0 and layout.tail > 0
+    return layout.value_dim == d and d in KERNEL_HEAD_SIZES and layout.sink_tokens > 0 and layout.tail > 0
 
 
 def kernel_template(layout: Layout) -> tuple:
