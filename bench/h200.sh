@@ -4,7 +4,8 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
-#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf tqshared)
+#    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf tqshared
+#    tp7bfull tprest)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -425,6 +426,29 @@ stage_tp7bwarm() {  # issue 8: the 7B rows of the matrix on a machine's first be
   done
   step tp_7b_edits_warm 200 $BG jobs/edits.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
     --jobs-total 128 --max-tokens 64 --out "$R/throughput_7b_edits_warm.json"
+}
+
+stage_tp7bfull() {  # issue 8: the 7B shape's rows of the matrix at the issue's size (256 jobs of 128 tokens), both
+  # files, 8 / 32 / auto rows (a short 8-row run first, so that MLX's kernel builds fall outside the timed runs)
+  step tp_7b_warm 120 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8 --jobs-total 16 \
+    --max-tokens 16 --out "$R/throughput_7b_warm.json"
+  local f
+  for f in freeform edits; do
+    step "tp_7b_${f}_256" 270 $BG "jobs/$f.jsonl" --shape qwen2.5-7b --model "$DEMO" --throughput 8,32,auto \
+      --jobs-total 256 --max-tokens 128 --out "$R/throughput_7b_${f}_256.json"
+  done
+}
+
+stage_tprest() {  # issue 8: the demo model's and the 0.5B shape's rows not run since rows stopped shrinking on CUDA,
+  # and one job at a time on the 7B shape
+  step tp_demo_all 150 $BG jobs/freeform.jsonl --model "$DEMO" --throughput 1,8,32,auto --jobs-total 256 \
+    --max-tokens 128 --out "$R/throughput_demo_freeform.json"
+  step tp_demo_edits 150 $BG jobs/edits.jsonl --model "$DEMO" --throughput 1,8,32,auto --jobs-total 256 \
+    --max-tokens 128 --out "$R/throughput_demo_edits.json"
+  step tp_0.5b_auto 150 $BG jobs/freeform.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput auto \
+    --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_auto.json"
+  step tp_7b_b1 150 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 1 --jobs-total 16 \
+    --max-tokens 128 --out "$R/throughput_7b_b1.json"
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
