@@ -11,8 +11,9 @@ one by one, with fewer and larger passes:
 - duplicate prompts are prefilled once; a prompt whose pool hit leaves only its
   last token gets no pass at all (the batch's next step feeds it).
 
-Passes are bounded (GROUP_TOKENS tokens, GROUP_SCORE_BYTES of attention scores)
-and, where prompt passes are padded (a GPU), come in few shapes.
+Passes are bounded (GROUP_TOKENS tokens, GROUP_SCORE_BYTES of attention scores),
+split by tail length where a pass costs less than the padding it saves
+(`_row_groups`), and, where prompt passes are padded (a GPU), come in few shapes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from .attention import mark_cache
@@ -31,6 +33,11 @@ from .turboquant import TurboQuantKVCache
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
 GROUP_SCORE_BYTES = 1 << 30
+# A pass's own cost beyond its tokens (`pass_cost_tokens`), sized for a GPU:
+# queueing and evaluating its layers one by one, ~0.4 ms a layer, against ~2 x
+# parameters FLOPs a prompt token at ~400 TFLOPS.
+LAYER_OVERHEAD_S = 0.4e-3
+PROMPT_FLOPS = 4e14
 # Tokens that prompts entering together share beyond their cached prefix, from
 # which that part gets a pass of its own first (below it, the rows repeat it).
 SHARED_MIN = 32
@@ -50,28 +57,60 @@ def pass_shape(rows: int, length: int, pad_step: int | None) -> tuple[int, int]:
     return padded_rows(rows), padded_length(length, pad_step)
 
 
-def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: int = 0, heads: int = 0) -> list[list[int]]:
-    """Split prompts (sorted by tail length) into shared passes of at most
-    GROUP_TOKENS (rows x longest tail, both padded where passes are), whose
-    attention scores (rows x heads x tail x keys, float32: the short-pass
-    attention holds them) stay within GROUP_SCORE_BYTES.
+def pass_cost_tokens(model: nn.Module) -> int:
+    """A prompt pass's own cost in tokens of its compute: ~300 for the 7B shape
+    (rows of very different tails then take passes of their own), ~3,800 for
+    the 0.5B (where passes are few and large). Parameters counted as bf16
+    bytes / 2 (a quantized model's are undercounted: fewer, larger passes)."""
+    params = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 2
+    layers = len(getattr(model, "layers", ())) or 24
+    return int(layers * LAYER_OVERHEAD_S * PROMPT_FLOPS / max(2 * params, 1))
+
+
+def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: int = 0, heads: int = 0,
+                pass_cost: int = 256) -> list[list[int]]:  # fmt: skip
+    """Split prompts (sorted by tail length) into shared passes, runs of
+    neighbours, at the least cost: a pass costs its rows x longest tail (both
+    padded where passes are) in tokens of compute, pads included, plus
+    `pass_cost` (`pass_cost_tokens`). A pass holds at most GROUP_TOKENS, and its attention
+    scores (rows x heads x tail x keys, float32: the short-pass attention holds
+    them) stay within GROUP_SCORE_BYTES. (256 jobs of `jobs/edits.jsonl`
+    entering 32 at a time, tails of 59 to 500 tokens after the system prompt:
+    passes up to the bound alone computed 131k tokens for 50k real ones, by
+    cost at the 7B shape's pass cost 78k.)
 
     >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad_step=None)
-    [[0, 1], [2]]
+    [[0], [1], [2]]
     >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad_step=2048)
     [[0, 1, 2, 3]]
+    >>> _row_groups([0, 1, 2, 3, 4, 5, 6, 7], {i: 40 * 2**(i // 2) for i in range(8)}, pad_step=2048)
+    [[0, 1, 2, 3], [4, 5], [6, 7]]
     >>> _row_groups([0, 1, 2, 3], {0: 100, 1: 100, 2: 120, 3: 200}, pad_step=2048, cached=30000, heads=32)
-    [[0, 1], [2], [3]]
+    [[0], [1, 2], [3]]
+    >>> _row_groups([0, 1, 2, 3, 4, 5, 6, 7], {i: 40 * 2**(i // 2) for i in range(8)}, pad_step=2048, pass_cost=4000)
+    [[0, 1, 2, 3, 4, 5, 6, 7]]
     """
-    parts, part = [], []
-    for i in members:
-        rows, length = pass_shape(len(part) + 1, tails[i], pad_step)
+    def cost(first: int, stop: int) -> float:  # members[first:stop] as one pass
+        rows, length = pass_shape(stop - first, tails[members[stop - 1]], pad_step)
         score_bytes = rows * heads * length * (cached + length) * 4
-        if part and (rows * length > GROUP_TOKENS or score_bytes > GROUP_SCORE_BYTES):
-            parts.append(part)
-            part = []
-        part.append(i)
-    return parts + [part] if part else parts
+        if stop - first > 1 and (rows * length > GROUP_TOKENS or score_bytes > GROUP_SCORE_BYTES):
+            return float("inf")
+        return pass_cost + rows * length
+
+    # best[k]: the least cost of members[:k]; cut[k]: where its last pass starts
+    best, cut = [0.0] + [float("inf")] * len(members), [0] * (len(members) + 1)
+    for stop in range(1, len(members) + 1):
+        for first in range(stop - 1, -1, -1):
+            c = cost(first, stop)
+            if c == float("inf"):
+                break  # a longer run only grows
+            if best[first] + c <= best[stop]:  # (a tie: the fewer passes)
+                best[stop], cut[stop] = best[first] + c, first
+    parts, stop = [], len(members)
+    while stop:
+        parts.insert(0, members[cut[stop] : stop])
+        stop = cut[stop]
+    return parts
 
 
 def attention_heads(model: nn.Module) -> int:
@@ -219,7 +258,7 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
         tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
         cached = fetched[members[0]][1]
         order = sorted(members, key=tails.get)
-        for part in _row_groups(order, tails, pad_step, cached, attention_heads(engine.model)):
+        for part in _row_groups(order, tails, pad_step, cached, attention_heads(engine.model), _pass_cost(engine)):
             if len(part) == 1:
                 i = part[0]
                 cache, cached = fetched[i]
@@ -230,6 +269,13 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
         engine._remember(prompts[i], out[i][0], out[i][1], plan)
     _copy_duplicates(prompts, first, out)
     return out
+
+
+def _pass_cost(engine: Engine) -> int:
+    cost = getattr(engine, "pass_cost_tokens", None)
+    if cost is None:  # once an engine (the weights do not change)
+        cost = engine.pass_cost_tokens = pass_cost_tokens(engine.model)
+    return cost
 
 
 def _copy_duplicates(prompts: list[list[int]], first: dict, out: list) -> None:

@@ -299,6 +299,53 @@ def test_entering_jobs_share_one_prompt_pass(model_dir, monkeypatch, pad):
     assert e.batch_report["jobs_started"] == 7 and e.batch_report["steps"] >= max(LENGTHS) - 1
 
 
+def test_entering_jobs_of_unlike_lengths_split_into_passes_where_passes_cost_little(model_dir, monkeypatch):
+    """Where a pass costs little beside its tokens (a large model), entering rows
+    of very different tails take passes by length instead of one padded to the
+    longest: fewer tokens computed, texts and token counts as one by one."""
+    import batchgen.engine as eng
+    import batchgen.entering as ent
+
+    path = model_dir("qwen2")
+    seq = {r.id: r for r in engine(path, 1).run_all(jobs())}
+    e = engine(path, 8)
+    e.pad_prompts = True
+    e.pass_cost_tokens = 0
+    tails = [len(e.prompt_tokens(j)) for j in jobs()]
+    split, real = [], ent._row_groups
+
+    def spy(*args, **kwargs):
+        parts = real(*args, **kwargs)
+        split.extend(parts)
+        return parts
+
+    monkeypatch.setattr(ent, "_row_groups", spy)
+    got = {r.id: r for r in e.run_all(jobs())}
+    assert len(split) > 1 and sorted(i for part in split for i in part) == list(range(7))
+    shape = lambda part: ent.pass_shape(len(part), max(tails[i] for i in part), 2048)  # noqa: E731
+    assert sum(rows * length for rows, length in map(shape, split)) < 8 * eng.padded_length(max(tails), 2048)
+    for i, r in got.items():
+        assert (r.text, r.usage.completion_tokens) == (seq[i].text, seq[i].usage.completion_tokens), i
+
+
+def test_a_pass_costs_fewer_tokens_of_a_larger_model():
+    """`pass_cost_tokens`: layers x LAYER_OVERHEAD_S x PROMPT_FLOPS / (2 x parameters)."""
+    import mlx.nn as nn
+
+    from batchgen.entering import LAYER_OVERHEAD_S, PROMPT_FLOPS, pass_cost_tokens
+
+    class Stack(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.layers = [nn.Linear(width, width, bias=False) for _ in range(2)]
+
+    small, large = Stack(64), Stack(128)
+    params = lambda m: sum(layer.weight.nbytes for layer in m.layers) / 2  # noqa: E731
+    for m in (small, large):
+        assert pass_cost_tokens(m) == int(2 * LAYER_OVERHEAD_S * PROMPT_FLOPS / (2 * params(m)))
+    assert pass_cost_tokens(large) * 4 <= pass_cost_tokens(small) + 4
+
+
 def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypatch):
     from batchgen.jobs import Job
 
@@ -382,9 +429,12 @@ def test_row_groups_split_by_pass_size(monkeypatch):
 
     monkeypatch.setattr(ent, "GROUP_TOKENS", 1000)
     tails = {0: 100, 1: 120, 2: 200, 3: 300, 4: 600}
-    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad_step=None) == [[0, 1, 2], [3], [4]]
+    # passes dear: the fewest within the bound, then the fewest tokens (not [[0, 1, 2], [3], [4]])
+    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad_step=None, pass_cost=10**6) == [[0, 1], [2, 3], [4]]
     # padded: 3 rows count as 4 and 200 tokens as 256 (4 x 256 > 1000)
-    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad_step=2048) == [[0, 1], [2], [3], [4]]
+    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad_step=2048, pass_cost=10**6) == [[0, 1], [2], [3], [4]]
+    # passes free: a pass for every length
+    assert ent._row_groups([0, 1, 2, 3, 4], tails, pad_step=None, pass_cost=0) == [[0], [1], [2], [3], [4]]
 
 
 def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model_dir, monkeypatch):
