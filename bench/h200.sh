@@ -5,7 +5,7 @@
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
 #    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf tqshared
-#    tp7bfull tprest)
+#    tp7bfull tprest passsplit)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -449,6 +449,14 @@ stage_tprest() {  # issue 8: the demo model's and the 0.5B shape's rows not run 
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_auto.json"
   step tp_7b_b1 150 $BG jobs/freeform.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 1 --jobs-total 16 \
     --max-tokens 128 --out "$R/throughput_7b_b1.json"
+}
+
+stage_passsplit() {  # issue 8: entering rows' prompt passes split by tail length (edits: tails of 59-500 tokens),
+  # the 7B and 0.5B shapes at 8 and 32 rows, 256 jobs of 128 tokens (prompt_s against the tp7bfull set's)
+  step tp_7b_edits_split 300 $BG jobs/edits.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 256 --max-tokens 128 --out "$R/throughput_7b_edits_split.json"
+  step tp_0.5b_edits_split 150 $BG jobs/edits.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
+    --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_edits_split.json"
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
