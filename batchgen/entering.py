@@ -33,11 +33,14 @@ from .turboquant import TurboQuantKVCache
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
 GROUP_SCORE_BYTES = 1 << 30
-# A pass's own cost beyond its tokens (`pass_cost_tokens`), sized for a GPU:
-# queueing and evaluating its layers one by one, ~0.4 ms a layer, against ~2 x
-# parameters FLOPs a prompt token at ~400 TFLOPS.
-LAYER_OVERHEAD_S = 0.4e-3
-PROMPT_FLOPS = 4e14
+# A pass's own cost beyond its tokens (`pass_cost_tokens`), as measured on an
+# H200 (7B shape, 256 jobs of `jobs/edits.jsonl`: prompt seconds = tokens
+# computed / 31k tok/s + 35 ms a pass fit four runs of 8 to 90 passes within 6%,
+# the passes counted offline from the same jobs):
+# its layers queued and evaluated one by one, its rows' caches cut out and
+# copied; a token costs ~2 x parameters FLOPs at PROMPT_FLOPS.
+PASS_OVERHEAD_S = 0.035
+PROMPT_FLOPS = 4.7e14
 # Tokens that prompts entering together share beyond their cached prefix, from
 # which that part gets a pass of its own first (below it, the rows repeat it).
 SHARED_MIN = 32
@@ -58,13 +61,13 @@ def pass_shape(rows: int, length: int, pad_step: int | None) -> tuple[int, int]:
 
 
 def pass_cost_tokens(model: nn.Module) -> int:
-    """A prompt pass's own cost in tokens of its compute: ~300 for the 7B shape
-    (rows of very different tails then take passes of their own), ~3,800 for
-    the 0.5B (where passes are few and large). Parameters counted as bf16
-    bytes / 2 (a quantized model's are undercounted: fewer, larger passes)."""
+    """A prompt pass's own cost in tokens of its compute: ~1,100 for the 7B
+    shape (rows of very different tails then take passes of their own),
+    ~17,000 for the 0.5B (passes as large as their bound allows). Parameters
+    counted as bf16 bytes / 2 (a quantized model's are undercounted: fewer,
+    larger passes)."""
     params = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 2
-    layers = len(getattr(model, "layers", ())) or 24
-    return int(layers * LAYER_OVERHEAD_S * PROMPT_FLOPS / max(2 * params, 1))
+    return int(PASS_OVERHEAD_S * PROMPT_FLOPS / max(2 * params, 1))
 
 
 def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: int = 0, heads: int = 0,
@@ -76,8 +79,8 @@ def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: i
     scores (rows x heads x tail x keys, float32: the short-pass attention holds
     them) stay within GROUP_SCORE_BYTES. (256 jobs of `jobs/edits.jsonl`
     entering 32 at a time, tails of 59 to 500 tokens after the system prompt:
-    passes up to the bound alone computed 131k tokens for 50k real ones, by
-    cost at the 7B shape's pass cost 78k.)
+    passes up to the bound alone computed 131k tokens for 50k real ones in 8
+    passes, by cost at the 7B shape's pass cost 87k in 19.)
 
     >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad_step=None)
     [[0], [1], [2]]

@@ -329,10 +329,10 @@ def test_entering_jobs_of_unlike_lengths_split_into_passes_where_passes_cost_lit
 
 
 def test_a_pass_costs_fewer_tokens_of_a_larger_model():
-    """`pass_cost_tokens`: layers x LAYER_OVERHEAD_S x PROMPT_FLOPS / (2 x parameters)."""
+    """`pass_cost_tokens`: PASS_OVERHEAD_S x PROMPT_FLOPS / (2 x parameters)."""
     import mlx.nn as nn
 
-    from batchgen.entering import LAYER_OVERHEAD_S, PROMPT_FLOPS, pass_cost_tokens
+    from batchgen.entering import PASS_OVERHEAD_S, PROMPT_FLOPS, pass_cost_tokens
 
     class Stack(nn.Module):
         def __init__(self, width: int):
@@ -342,7 +342,7 @@ def test_a_pass_costs_fewer_tokens_of_a_larger_model():
     small, large = Stack(64), Stack(128)
     params = lambda m: sum(layer.weight.nbytes for layer in m.layers) / 2  # noqa: E731
     for m in (small, large):
-        assert pass_cost_tokens(m) == int(2 * LAYER_OVERHEAD_S * PROMPT_FLOPS / (2 * params(m)))
+        assert pass_cost_tokens(m) == int(PASS_OVERHEAD_S * PROMPT_FLOPS / (2 * params(m)))
     assert pass_cost_tokens(large) * 4 <= pass_cost_tokens(small) + 4
 
 
