@@ -452,9 +452,11 @@ stage_tprest() {  # issue 8: the demo model's and the 0.5B shape's rows not run 
 }
 
 stage_passsplit() {  # issue 8: entering rows' prompt passes split by tail length (edits: tails of 59-500 tokens),
-  # the 7B and 0.5B shapes at 8 and 32 rows, 256 jobs of 128 tokens (prompt_s against the tp7bfull set's)
+  # the 7B and 0.5B shapes (SPLIT_7B_ONLY: the 7B alone) at 8 and 32 rows, 256 jobs of 128 tokens (prompt_s
+  # against the tp7bfull set's)
   step tp_7b_edits_split 300 $BG jobs/edits.jsonl --shape qwen2.5-7b --model "$DEMO" --throughput 8,32 \
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_7b_edits_split.json"
+  [[ ${SPLIT_7B_ONLY:-} ]] && return
   step tp_0.5b_edits_split 150 $BG jobs/edits.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_edits_split.json"
 }
