@@ -35,7 +35,7 @@ GROUP_TOKENS = 16384
 GROUP_SCORE_BYTES = 1 << 30
 # A pass's own cost beyond its tokens (`pass_cost_tokens`), as measured on an
 # H200 (7B shape, 256 jobs of `jobs/edits.jsonl`: prompt seconds = tokens
-# computed / 31k tok/s + 35 ms a pass fit four runs of 8 to 90 passes within 6%,
+# computed / 31k tok/s + 35 ms a pass fit four runs of 8 to 90 passes within 1-6%,
 # the passes counted offline from the same jobs):
 # its layers queued and evaluated one by one, its rows' caches cut out and
 # copied; a token costs ~2 x parameters FLOPs at PROMPT_FLOPS.
