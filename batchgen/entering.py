@@ -35,10 +35,10 @@ GROUP_TOKENS = 16384
 GROUP_SCORE_BYTES = 1 << 30
 # A pass's own cost beyond its tokens (`pass_cost_tokens`), as measured on an
 # H200 (7B shape, 256 jobs of `jobs/edits.jsonl`: prompt seconds = tokens
-# computed / 31k tok/s + 35 ms a pass fit four runs of 8 to 90 passes within 1-6%,
-# the passes counted offline from the same jobs):
-# its layers queued and evaluated one by one, its rows' caches cut out and
-# copied; a token costs ~2 x parameters FLOPs at PROMPT_FLOPS.
+# computed / 31k tok/s + 35 ms a pass fit four runs of 8 to 90 passes within
+# 1-6%, the passes counted offline from the same jobs): its layers queued and
+# evaluated one by one, its rows' caches cut out and copied; a token costs
+# ~2 x parameters FLOPs at PROMPT_FLOPS.
 PASS_OVERHEAD_S = 0.035
 PROMPT_FLOPS = 4.7e14
 # Tokens that prompts entering together share beyond their cached prefix, from
@@ -75,9 +75,9 @@ def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: i
     """Split prompts (sorted by tail length) into shared passes, runs of
     neighbours, at the least cost: a pass costs its rows x longest tail (both
     padded where passes are) in tokens of compute, pads included, plus
-    `pass_cost` (`pass_cost_tokens`). A pass holds at most GROUP_TOKENS, and its attention
-    scores (rows x heads x tail x keys, float32: the short-pass attention holds
-    them) stay within GROUP_SCORE_BYTES. (256 jobs of `jobs/edits.jsonl`
+    `pass_cost` (`pass_cost_tokens`). A pass holds at most GROUP_TOKENS, and
+    its attention scores (rows x heads x tail x keys, float32: the short-pass
+    attention holds them) stay within GROUP_SCORE_BYTES. (256 jobs of `jobs/edits.jsonl`
     entering 32 at a time, tails of 59 to 500 tokens after the system prompt:
     passes up to the bound alone computed 131k tokens for 50k real ones in 8
     passes, by cost at the 7B shape's pass cost 87k in 19.)
@@ -107,7 +107,7 @@ def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: i
             c = cost(first, stop)
             if c == float("inf"):
                 break  # a longer run only grows
-            if best[first] + c <= best[stop]:  # (a tie: the fewer passes)
+            if best[first] + c <= best[stop]:  # (a tie: the longer last pass)
                 best[stop], cut[stop] = best[first] + c, first
     parts, stop = [], len(members)
     while stop:
