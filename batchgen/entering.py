@@ -257,12 +257,12 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
     for members in _prefix_groups(engine, unique, prompts, fetched).values():
         if len(members) > 1:
             _share_prefix(engine, members, prompts, fetched, plan)
-    for members in _prefix_groups(engine, unique, prompts, fetched).values():
+    for key, members in _prefix_groups(engine, unique, prompts, fetched).items():
         tails = {i: len(prompts[i]) - fetched[i][1] for i in members}
         cached = fetched[members[0]][1]
         order = sorted(members, key=tails.get)
         for part in _row_groups(order, tails, pad_step, cached, attention_heads(engine.model), _pass_cost(engine)):
-            if len(part) == 1:
+            if len(part) == 1 and (key[0] == "single" or not _padded_row(fetched[part[0]][0], pad_step)):
                 i = part[0]
                 cache, cached = fetched[i]
                 out[i] = (cache, cached, engine._prefill(cache, prompts[i][cached:], logits=True))
@@ -272,6 +272,18 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
         engine._remember(prompts[i], out[i][0], out[i][1], plan)
     _copy_duplicates(prompts, first, out)
     return out
+
+
+def _padded_row(cache: list, pad_step: int | None) -> bool:
+    """Whether a prompt's pass of its own goes the rows' way, as one padded
+    row: a TurboQuant prompt where passes are padded. `Engine._prefill` pads
+    only caches whose trim drops the pads alone; `TurboQuantKVCache.repeated`
+    keeps what makes a padded row exact, so its passes come in the few shapes
+    the shared passes do instead of one per prompt length. (H200, 0.5B
+    shape: TurboQuant passes of one row at their own lengths took 0.06-0.17 s
+    each; shared passes 0.14-0.20 s at a shape's first time, 0.07 at its
+    second, `bench/results/2026-12-01-h200-c/b/tqshared_profile.json`.)"""
+    return pad_step is not None and all(isinstance(c, TurboQuantKVCache) for c in cache)
 
 
 def _pass_cost(engine: Engine) -> int:

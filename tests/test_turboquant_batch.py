@@ -124,6 +124,25 @@ def test_entering_rows_prefill_a_shared_block_once(model_dir, monkeypatch):
     assert_same_texts(got, alone)
 
 
+def test_a_row_entering_alone_takes_a_padded_pass(model_dir, monkeypatch):
+    """Where passes are padded, a TurboQuant row entering alone is a pass of one
+    row padded as the shared passes are (not a pass at its own length); texts
+    as alone."""
+    import batchgen.engine as eng
+
+    path = model_dir("qwen2")
+    passes = record_passes(monkeypatch)
+    e1, e2 = engine(path, 1), engine(path, 2)
+    e2.pad_prompts = True
+    lengths = {len(e2.prompt_tokens(j)) for j in jobs()}
+    alone = run(e1, jobs())
+    got = run(e2, jobs())
+    singles = [length for rows, tails, length, _ in passes if tails == 1]
+    assert singles and all(n in {eng.padded_length(m, 2048) for m in lengths} for n in singles)
+    assert any(n not in lengths for n in singles)  # padded past the prompt
+    assert_same_texts(got, alone)
+
+
 def _with_system(job):
     from dataclasses import replace
 
