@@ -11,7 +11,8 @@ its seconds to queue and to finish, by what came before it (a window flush,
 rows placed, neither): where a step's time goes in a whole run, as against a
 probe's steady steps. `--keep-buffers` leaves MLX's buffer cache alone for
 the run (batchgen empties it after prompt passes): a step that must allocate
-anew waits on the allocator.
+anew waits on the allocator. `--flash-min-queries N`: TurboQuant prompt passes
+of fewer than N queries attend without cuDNN (no plan per pass shape).
 """
 
 from __future__ import annotations
@@ -132,8 +133,14 @@ def main() -> None:
     ap.add_argument("--no-shrink", action="store_true", help="keep every row to the end (no `_shrink` of the batch)")
     ap.add_argument("--keep-buffers", action="store_true",
                     help="skip mx.clear_cache during the run (MLX's freed buffers stay cached for reuse)")
+    ap.add_argument("--flash-min-queries", type=int, default=None,
+                    help="turboquant.FLASH_MIN_QUERIES for the run: TurboQuant passes of fewer queries skip cuDNN")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    if a.flash_min_queries is not None:
+        from batchgen import turboquant
+
+        turboquant.FLASH_MIN_QUERIES = a.flash_min_queries
     engine_cfg = EngineConfig(model=a.model, batch_size=a.batch, compiled_batch_step=not a.uncompiled,
                               kv=KVConfig(kind=a.kv_cache))  # fmt: skip
     cfg = BenchConfig(engine_cfg, jobs_path=a.jobs, shape=a.shape, max_tokens=a.max_tokens)
@@ -169,6 +176,7 @@ def main() -> None:
     summary = {"shape": a.shape, "batch": a.batch, "jobs": len(jobs), "wall_s": round(wall, 3),
                "tokens_per_s": round(tokens / wall, 1), "report": engine.batch_report,
                "compiled": not a.uncompiled, "keep_buffers": a.keep_buffers, "shrink": not a.no_shrink,
+               "flash_min_queries": a.flash_min_queries,
                "cache_memory_gb": round(mx.get_cache_memory() / 1e9, 3),
                "peak_memory_gb": round(max(_peak[0], mx.get_peak_memory()) / 1e9, 3),
                "active_memory_gb": round(mx.get_active_memory() / 1e9, 3), "steps": step_summary(steps),

@@ -5,7 +5,7 @@
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
 #    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf tqshared
-#    tp7bfull tprest passsplit)
+#    tp7bfull tprest passsplit tqflash)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -459,6 +459,18 @@ stage_passsplit() {  # issue 8: entering rows' prompt passes split by tail lengt
   [[ ${SPLIT_7B_ONLY:-} ]] && return
   step tp_0.5b_edits_split 150 $BG jobs/edits.jsonl --shape qwen2.5-0.5b --model "$DEMO" --throughput 8,32 \
     --jobs-total 256 --max-tokens 128 --out "$R/throughput_0.5b_edits_split.json"
+}
+
+stage_tqflash() {  # issue 8: TurboQuant rows' prompt passes with cuDNN (FLASH_MIN_QUERIES 64, as shipped) and
+  # without it below 1,024 queries, in turn, after a short run that builds the machine's kernels
+  step tqflash_warm 120 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
+    --jobs-total 32 --max-tokens 16 --kv-cache turboquant --top 5
+  local q
+  for q in 64 1024 64 1024; do
+    step "tqflash_$q" 90 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
+      --jobs-total 128 --max-tokens 128 --kv-cache turboquant --flash-min-queries "$q" --top 20 \
+      --out "$R/tqflash_${q}_$SECONDS.json"
+  done
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
