@@ -77,10 +77,10 @@ def _row_groups(members: list[int], tails: dict, pad_step: int | None, cached: i
     padded where passes are) in tokens of compute, pads included, plus
     `pass_cost` (`pass_cost_tokens`). A pass holds at most GROUP_TOKENS, and
     its attention scores (rows x heads x tail x keys, float32: the short-pass
-    attention holds them) stay within GROUP_SCORE_BYTES. (256 jobs of `jobs/edits.jsonl`
-    entering 32 at a time, tails of 59 to 500 tokens after the system prompt:
-    passes up to the bound alone computed 131k tokens for 50k real ones in 8
-    passes, by cost at the 7B shape's pass cost 87k in 19.)
+    attention holds them) stay within GROUP_SCORE_BYTES. (256 jobs of
+    `jobs/edits.jsonl` entering 32 at a time, tails of 59 to 500 tokens after
+    the system prompt: passes up to the bound alone computed 131k tokens for
+    50k real ones in 8 passes, by cost at the 7B shape's pass cost 87k in 19.)
 
     >>> _row_groups([0, 1, 2], {0: 3000, 1: 5000, 2: 9000}, pad_step=None)
     [[0], [1], [2]]

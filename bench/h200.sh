@@ -465,11 +465,12 @@ stage_tqflash() {  # issue 8: TurboQuant rows' prompt passes with cuDNN (FLASH_M
   # without it below 1,024 queries, in turn, after a short run that builds the machine's kernels
   step tqflash_warm 120 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
     --jobs-total 32 --max-tokens 16 --kv-cache turboquant --top 5
-  local q
+  local q run=0
   for q in 64 1024 64 1024; do
-    step "tqflash_$q" 90 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
+    run=$((run + 1))
+    step "tqflash_${run}_$q" 90 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
       --jobs-total 128 --max-tokens 128 --kv-cache turboquant --flash-min-queries "$q" --top 20 \
-      --out "$R/tqflash_${q}_$SECONDS.json"
+      --out "$R/tqflash_${run}_$q.json"
   done
 }
 
