@@ -8,11 +8,14 @@ Each step appends one token to every layer's cache and attends with one query; t
 time is the median over `--steps` steps after a warm-up, synced per step.
 `--step-blocks 512,2048`: the step mode again with `turboquant_kernels.STEP_BLOCKS`
 (the blocks a step kernel aims at) set to each value (`tq_step_<N>_ms`).
+`--step-baseline FILE`: the step mode again with `tq_step` built from another
+`turboquant_kernels.py` (an older commit's, same inputs and outputs), `tq_step_baseline_ms`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -75,10 +78,24 @@ def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, d
     return statistics.median(times)
 
 
+def baseline_kernels(path: str):
+    """`turboquant_kernels._step_kernel` with `tq_step` compiled from the file at `path`
+    (its own body and header), the other kernels as shipped."""
+    spec = importlib.util.spec_from_file_location("baseline_turboquant_kernels", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    inputs, outputs, body = old.STEP_KERNELS["tq_step"]
+    kernel = mx.fast.cuda_kernel(name="tq_step_baseline", input_names=inputs, output_names=outputs, source=body,
+                                 header=old._STEP_HEADER, ensure_row_contiguous=False)  # fmt: skip
+    shipped = turboquant_kernels._step_kernel
+    return lambda name, body=None: kernel if name == "tq_step" else shipped(name, body)
+
+
 PATHS = {"ops": (False, False), "fused": (True, False), "step": (True, True)}  # (FUSED_KERNELS, STEP_KERNEL)
 
 
-def measure(shape: str, n: int, steps: int, dtype, step_blocks: tuple = (), paths: tuple = tuple(PATHS)) -> dict:
+def measure(shape: str, n: int, steps: int, dtype, step_blocks: tuple = (), paths: tuple = tuple(PATHS),
+            baseline=None) -> dict:  # fmt: skip
     layers, heads, kv_heads, dim = SHAPES[shape]
     row = {"shape": shape, "context": n}
     fp16 = [KVCache() for _ in range(layers)]
@@ -95,6 +112,9 @@ def measure(shape: str, n: int, steps: int, dtype, step_blocks: tuple = (), path
     for blocks in step_blocks:
         with patched(turboquant_kernels, STEP_BLOCKS=blocks):
             row[f"tq_step_{blocks}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
+    if baseline is not None:
+        with patched(turboquant_kernels, _step_kernel=baseline):
+            row["tq_step_baseline_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
     row["step_kv_bytes"] = sum(c.nbytes for c in caches)
     return row
 
@@ -106,13 +126,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--paths", default=",".join(PATHS), help="TurboQuant paths to time: ops, fused, step")
     ap.add_argument("--step-blocks", default="", help="comma-separated STEP_BLOCKS values to time the step mode at")
+    ap.add_argument("--step-baseline", help="a turboquant_kernels.py whose tq_step to time as well")
     ap.add_argument("--out")
     a = ap.parse_args()
     step_blocks = tuple(int(x) for x in a.step_blocks.split(",") if x)
+    baseline = baseline_kernels(a.step_baseline) if a.step_baseline else None
     rows = []
     for shape in a.shapes.split(","):
         for n in (int(x) for x in a.contexts.split(",")):
-            row = measure(shape, n, a.steps, mx.bfloat16, step_blocks, tuple(a.paths.split(",")))
+            row = measure(shape, n, a.steps, mx.bfloat16, step_blocks, tuple(a.paths.split(",")), baseline)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if a.out:

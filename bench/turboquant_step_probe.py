@@ -5,7 +5,9 @@
 Per row (ms, median; each figure includes its mx.eval): `full` = every layer's
 update_and_fetch + attention; `kernels` = the step and merge kernels alone, as many
 launches as layers, over one layer's captured arguments (no cache bookkeeping);
-`step_only` / `merge_only` = one of the two, as many launches as layers; `empty` = as
+`step_only` / `merge_only` = one of the two, as many launches as layers (a third
+argument, another commit's turboquant_kernels.py: `baseline_step_only` its step
+kernel on the same launches); `empty` = as
 many launches of a custom kernel that writes one float as the step launches (two a
 layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.fast
 attention over an fp16 cache of the same context, every layer; `empty_step_args` /
@@ -26,7 +28,9 @@ import mlx.core as mx
 from batchgen import turboquant_kernels as kernels
 
 sys.path.insert(0, "bench")
-from turboquant_attention import SHAPES, filled_turboquant  # noqa: E402
+from turboquant_attention import SHAPES, baseline_kernels, filled_turboquant  # noqa: E402
+
+BASELINE = None  # a turboquant_kernels.py (argv[3]): its tq_step timed on the same launches
 
 
 def timed_ms(fn, n: int = 30) -> float:
@@ -105,18 +109,9 @@ def probe(shape: str, n: int) -> dict:
     row["empty_ms"] = timed_ms(lambda: mx.eval([empty(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                                                       output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
                                                 for _ in range(2 * layers)]))  # fmt: skip
-    # The step kernel with one phase cut out (timing only: the outputs are wrong).
-    body = kernels.STEP_KERNELS["tq_step"][2]
-    cuts = {"no_values": [("j < min(t1, S); j += K)", "j < t0; j += K)"), ("j < c1; j += K)", "j < t0; j += K)"),
-                          ("j < min(t1, p + 1); j += K)", "j < t0; j += K)")],
-            "no_scores": [("for (int j = t0 + tid; j < t1; j += NT) {", "for (int j = t0 + tid; j < t0; j += NT) {")]}
-    for name, edits in cuts.items():
-        variant_body = body
-        for old, new in edits:
-            assert old in variant_body, (name, old)
-            variant_body = variant_body.replace(old, new)
-        variant = kernels._step_kernel("tq_step", variant_body)
-        row[f"step_{name}_ms"] = timed_ms(lambda: mx.eval([variant(inputs=step_in, **launch)[0] for _ in range(layers)]))
+    if BASELINE:  # the same launches through another commit's step kernel
+        old = baseline_kernels(BASELINE)("tq_step")
+        row["baseline_step_only_ms"] = timed_ms(lambda: mx.eval([old(inputs=step_in, **launch)[0] for _ in range(layers)]))
     # Host cost of a launch: the step's arguments (inputs, outputs, template) with an
     # empty body, and an empty body with the step's header.
     names = kernels.STEP_KERNELS["tq_step"]
@@ -146,6 +141,8 @@ def probe(shape: str, n: int) -> dict:
 
 
 def main() -> None:
+    global BASELINE
+    BASELINE = sys.argv[3] if len(sys.argv) > 3 else None
     for shape in sys.argv[1].split(","):
         for n in (int(x) for x in sys.argv[2].split(",")):
             print(json.dumps(probe(shape, n)), flush=True)
