@@ -33,17 +33,13 @@ VALUE_CHUNK = 64  # tokens per partial sum in `values`
 _SCORE_THREADS = 128
 
 _UNPACK = """
-// WIDTH bits of a little-endian bit stream from bit pos; code i of BITS-bit codes.
-template <int WIDTH>
-__device__ __forceinline__ unsigned int tq_bits(const unsigned int* row, int pos) {
-  const int w = pos >> 5, s = pos & 31;
-  unsigned int c = row[w] >> s;
-  if (s + WIDTH > 32) c |= row[w + 1] << (32 - s);
-  return c & ((1u << WIDTH) - 1u);
-}
 template <int BITS>
 __device__ __forceinline__ unsigned int tq_code(const unsigned int* row, int i) {
-  return tq_bits<BITS>(row, i * BITS);
+  const int pos = i * BITS;
+  const int w = pos >> 5, s = pos & 31;
+  unsigned int c = row[w] >> s;
+  if (s + BITS > 32) c |= row[w + 1] << (32 - s);
+  return c & ((1u << BITS) - 1u);
 }
 """
 
@@ -228,49 +224,11 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 # big buffers below cb, from the window's slot j - r0 above.
 
 _STEP_HEADER = _UNPACK + """
-// Two floats as the fp16 pair an mma operand register holds (the first in the low half).
-__device__ __forceinline__ unsigned tq_h2(float lo, float hi) {
-  return (unsigned)__half_as_ushort(__float2half_rn(lo)) | ((unsigned)__half_as_ushort(__float2half_rn(hi)) << 16);
+__host__ __device__ constexpr int tq_gcd32(int b) {
+  int g = 1;
+  while (g < 32 && b % (2 * g) == 0) g *= 2;
+  return g;
 }
-
-// c += a . b for one warp: a 16 x 16, b 16 x 8 fp16, c 16 x 8 float32 (PTX's fragment
-// layouts: lane (g, t) = (lane / 4, lane % 4) holds a's rows g, g + 8 at columns 2t, 2t + 1,
-// 2t + 8, 2t + 9; b's rows 2t, 2t + 1, 2t + 8, 2t + 9 of column g; c's rows g, g + 8 at
-// columns 2t, 2t + 1).
-__device__ __forceinline__ void tq_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Codes first .. first + COUNT - 1 of a packed row of ROWW words, shifted so that
-// code first + u is tq_code<BITS>(v, u). `first` is a multiple of COUNT, so the run
-// starts on a word when COUNT * BITS is a multiple of 32; else one more word is read
-// where the row has it.
-template <int BITS, int COUNT, int ROWW>
-__device__ __forceinline__ void tq_span(unsigned* v, const unsigned* row, int first) {
-  constexpr int NV = (COUNT * BITS + 31) / 32;
-  constexpr bool ALIGNED = COUNT * BITS % 32 == 0;
-  const int bit = first * BITS, w0 = bit >> 5, off = bit & 31;
-  unsigned w[NV + 1];
-  #pragma unroll
-  for (int x = 0; x < NV; x++) w[x] = row[w0 + x];
-  w[NV] = !ALIGNED && w0 + NV < ROWW ? row[w0 + NV] : 0u;
-  #pragma unroll
-  for (int x = 0; x < NV; x++) v[x] = ALIGNED ? w[x] : __funnelshift_r(w[x], w[x + 1], off);
-}
-
-// A head's largest maximum in a block, log2 units: the warps' (coded positions, log2
-// units) and the exact positions' (natural units); and a maximum's weight against it.
-template <int NW>
-__device__ __forceinline__ float tq_top(const float (*wm)[16], const float* fm, int h) {
-  float M = fm[h] * 1.4426950408889634f;
-  #pragma unroll
-  for (int w = 0; w < NW; w++) M = fmaxf(M, wm[w][h]);
-  return M;
-}
-__device__ __forceinline__ float tq_rebase(float m, float M) { return m == -INFINITY ? 0.0f : exp2f(m - M); }
 
 __device__ __forceinline__ void tq_store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void tq_store(__half* p, float v) { *p = __float2half_rn(v); }
@@ -403,13 +361,12 @@ _STEP = """
   const auto* knp = kn + b * kn_strides[0] + hk * kn_strides[1];
   const auto* vnp = vn + b * vn_strides[0] + hk * vn_strides[1];
   const long long kns = kn_strides[3], vns = vn_strides[3];
-  constexpr int GP = (G + 3) / 4 * 4, K = NT / D, HT = G > 8 ? 2 : 1;
+  constexpr int GP = (G + 3) / 4 * 4, K = NT / D;
   static_assert(K == 1 || (K == 2 && 2 * D <= TILE), "value groups");
-  static_assert(G <= 16, "the coded positions' mma tiles take 16 heads");
   __shared__ __align__(16) float qp[GP * D], qr[GP * D], sc[GP * TILE];
-  __shared__ float ar[G * D], ax[G * D], tk[1 << KB], tv[1 << VB];
-  __shared__ unsigned kp[1 << (2 * KB)], vp[1 << (2 * VB)];
-  __shared__ float fm[G], fl[G], fc[G], wm[NW][16], wl[NW][16];
+  __shared__ float tk[1 << KB], tv[1 << VB];
+  __shared__ float fm[G], fl[G], fc[G], svs[TILE];
+  __shared__ unsigned int svc[TILE * WV];
   __shared__ unsigned char eidx[2 * D];
 
   // The window (slot s: exact key, exact value; key then value codes; two scales)
@@ -444,234 +401,110 @@ _STEP = """
   }
   for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
   for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
-  for (int t = tid; t < G * D; t += NT) { ar[t] = 0.0f; ax[t] = 0.0f; }
   if (tid < G) { fm[tid] = -INFINITY; fl[tid] = 0.0f; }
   __syncthreads();
-  // Codebook levels two at a time, as the fp16 pairs mma operands hold: entry a | b << BITS
-  // is (level a, level b), one shared-memory load for two codes (ready after tq_wht's barriers).
-  for (int t = tid; t < (1 << (2 * KB)); t += NT) kp[t] = tq_h2(tk[t & ((1 << KB) - 1)], tk[t >> KB]);
-  for (int t = tid; t < (1 << (2 * VB)); t += NT) vp[t] = tq_h2(tv[t & ((1 << VB) - 1)], tv[t >> VB]);
   tq_wht<D>(qr, GP, GP, 1);
 
-  // Exact positions of the chunk (sinks below S, the query's window from e0), TILE at
-  // a time: a thread scores one against the group's heads, a warp per head keeps the
-  // online softmax (fm, fl), thread i adds coordinate i of the weighted values (at
-  // D = 64 two groups of D threads, each every other position).
-  {
-    const int ns = max(0, min(hi, S) - lo), w0 = max(lo, e0), nx = ns + max(0, hi - w0);
-    auto at_x = [&](int x) { return x < ns ? lo + x : w0 + x - ns; };
-    const int i = tid % D, k = tid / D;
-    float ap[GP];
-    #pragma unroll
-    for (int g = 0; g < GP; g++) ap[g] = 0.0f;
-    for (int x0 = 0; x0 < nx; x0 += TILE) {
-      const int x1 = min(nx, x0 + TILE);
-      for (int x = x0 + warp; x < x1; x += NW) {  // a warp a position, a lane every 32nd coordinate
-        const int j = at_x(x);
+  // Values: K groups of D lanes (K = 2 when D = 64), group k takes positions k mod K.
+  const int i = tid % D, k = tid / D;
+  auto from = [&](int j) { return j + ((k - j) & (K - 1)); };
+  float ar[GP], ap[GP];
+  #pragma unroll
+  for (int g = 0; g < GP; g++) { ar[g] = 0.0f; ap[g] = 0.0f; }
+  for (int t0 = lo; t0 < hi; t0 += TILE) {
+    const int t1 = min(hi, t0 + TILE);
+    // The tile's coded values (codes, scales) into shared memory in one coalesced
+    // pass: thread i then reads them there, not position after position from memory.
+    const int c0 = max(t0, S), c1 = min(t1, e0);
+    for (int t = tid; t < (c1 - c0) * WV; t += NT) {
+      const int j = c0 + t / WV, x = t % WV;
+      svc[(j - t0) * WV + x] = j < cb ? vc[(kv * cap + j - S) * WV + x] : wc[(kv * N + j - r0) * WC + WK + x];
+    }
+    for (int j = c0 + tid; j < c1; j += NT)
+      svs[j - t0] = __half2float(j < cb ? vq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2 + 1]);
+    for (int j = t0 + tid; j < t1; j += NT) {
+      float s[GP];
+      #pragma unroll
+      for (int g = 0; g < GP; g++) s[g] = 0.0f;
+      if (j < S || j >= e0) {
         const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
         const long long ks = j == p ? kns : 1;
-        float s[GP];
-        #pragma unroll
-        for (int g = 0; g < GP; g++) s[g] = 0.0f;
-        #pragma unroll
-        for (int d = lane; d < D; d += 32) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
-        #pragma unroll
-        for (int g = 0; g < GP; g++) {
+        for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
+      } else {
+        const bool big = j < cb;
+        const unsigned int* row = big ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC;
+        const float f = __half2float(big ? kq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2]) * (1.0f / D);
+        // A group of codes fills whole words (32 / gcd(KB, 32) codes): its words in
+        // registers, its codes unrolled; the groups are not (registers).
+        constexpr int GC = 32 / tq_gcd32(KB), GW = KB / tq_gcd32(KB);
+        for (int gi = 0; gi < D / GC; gi++) {
+          unsigned int w[GW];
           #pragma unroll
-          for (int o = 16; o > 0; o >>= 1) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
-        }
-        if (lane == 0) {
+          for (int x = 0; x < GW; x++) w[x] = row[gi * GW + x];
           #pragma unroll
-          for (int g = 0; g < GP; g += 4)
-            *reinterpret_cast<float4*>(sc + (x - x0) * GP + g) = make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
-        }
-      }
-      __syncthreads();
-      for (int g = warp; g < G; g += NW) {  // online softmax, a warp per head
-        float mt = -INFINITY;
-        for (int t = lane; t < x1 - x0; t += 32) mt = fmaxf(mt, sc[t * GP + g]);
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
-        const float mo = fm[g], mn = fmaxf(mo, mt);
-        float lt = 0.0f;
-        for (int t = lane; t < x1 - x0; t += 32) {
-          const float e = expf(sc[t * GP + g] - mn);
-          sc[t * GP + g] = e;
-          lt += e;
+          for (int u = 0; u < GC; u++) tq_fma4<GP>(s, qr + (gi * GC + u) * GP, tk[tq_code<KB>(w, u)]);
         }
         #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffff, lt, o);
-        __syncwarp();
-        if (lane == 0) {
-          const float f = expf(mo - mn);
-          fc[g] = f;
-          fl[g] = fl[g] * f + lt;
-          fm[g] = mn;
-        }
-      }
-      __syncthreads();
-      #pragma unroll
-      for (int g = 0; g < G; g++) ap[g] *= fc[g];
-      for (int x = x0 + k; x < x1; x += K) {
-        const int j = at_x(x);
-        const float v = static_cast<float>(
-            j == p ? vnp[i * vns] : (j < S ? sv[(kv * SS + j) * D + i] : wx[((kv * N + j - r0) * 2 + 1) * D + i]));
-        tq_fma4<GP>(ap, sc + (x - x0) * GP, v);
-      }
-      __syncthreads();
-    }
-    if (nx) {
-      #pragma unroll
-      for (int g = 0; g < G; g++) atomicAdd(ax + g * D + i, ap[g]);
-    }
-  }
-
-  // Coded positions (S <= j < e0) on tensor cores (mma m16n8k16, fp16 operands,
-  // float32 sums), each warp 16 positions at a time with its own online softmax:
-  //   scores (heads x 16) = Qr (16 heads x D) . K^T (D x 16), codebook levels as fp16,
-  //   then the key scales; sums (D x heads) += V^T (D x 16) . P^T (16 x heads), the
-  //   weights already times the value scales. Lane (g, t) = (lane / 4, lane % 4).
-  // The mma's k index is free to stand for any coordinate (both operands agree), so
-  // a lane's codes are one run of a row: keys: codes t * D/4 ..; values: g * D/8 ..;
-  // the scores' fragment (head g; positions 2t, 2t + 1, 8 + 2t, 9 + 2t) is already
-  // the P^T operand's, so weights never leave registers.
-  {
-    constexpr int KT = D / 16, QC = D / 4, VC = D / 8;
-    const int g = lane >> 2, t = lane & 3;
-    const int c0 = max(lo, S), c1 = min(hi, e0);
-    auto qh = [&](int x, int h) { return h < G ? qr[x * GP + h] : 0.0f; };
-    unsigned qa[KT][4];
-    #pragma unroll
-    for (int kt = 0; kt < KT; kt++) {
-      const int x = QC * t + 4 * kt;
-      qa[kt][0] = tq_h2(qh(x, g), qh(x + 1, g));
-      qa[kt][1] = HT > 1 ? tq_h2(qh(x, g + 8), qh(x + 1, g + 8)) : 0u;
-      qa[kt][2] = tq_h2(qh(x + 2, g), qh(x + 3, g));
-      qa[kt][3] = HT > 1 ? tq_h2(qh(x + 2, g + 8), qh(x + 3, g + 8)) : 0u;
-    }
-    float o[HT][KT][4], m[HT], l[HT];
-    #pragma unroll
-    for (int h = 0; h < HT; h++) {
-      m[h] = -INFINITY;
-      l[h] = 0.0f;
-      #pragma unroll
-      for (int kt = 0; kt < KT; kt++) o[h][kt][0] = o[h][kt][1] = o[h][kt][2] = o[h][kt][3] = 0.0f;
-    }
-    const float kf = 1.4426950408889634f / D;  // scores in log2 units: exp2f
-    const int kvcap = kv * cap - S, kvn = kv * N - r0;  // position j: big-buffer row kvcap + j, slot kvn + j
-    for (int base = c0 + 16 * warp; base < c1; base += 16 * NW) {
-      // Rows past c1 are read at c1 - 1 (a real row: no branch, no predicate) and their
-      // scores masked. Keys: position base + 8u + g, codes QC * t ..; two sums a tile
-      // (even and odd k tiles) halve the chain of dependent mma.
-      float s[2][4];
-      #pragma unroll
-      for (int u = 0; u < 2; u++) {
-        const int j = min(base + 8 * u + g, c1 - 1);
-        const unsigned* row = j < cb ? kc + (size_t)(kvcap + j) * WK : wc + (size_t)(kvn + j) * WC;
-        unsigned w[(QC * KB + 31) / 32];
-        tq_span<KB, QC, WK>(w, row, QC * t);
-        float s2[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        #pragma unroll
-        for (int kt = 0; kt < KT; kt++)
-          tq_mma(s2[kt & 1], qa[kt], kp[tq_bits<2 * KB>(w, 4 * kt * KB)], kp[tq_bits<2 * KB>(w, (4 * kt + 2) * KB)]);
-        #pragma unroll
-        for (int e = 0; e < 4; e++) s[u][e] = s2[0][e] + s2[1][e];
-      }
-      // This lane's score columns: positions base + 8u + 2t + e (e = 0, 1).
-      float vs[2][2];
-      unsigned vw[2][2][(VC * VB + 31) / 32];
-      #pragma unroll
-      for (int u = 0; u < 2; u++) {
-        #pragma unroll
-        for (int e = 0; e < 2; e++) {
-          const int jr = base + 8 * u + 2 * t + e, j = min(jr, c1 - 1);
-          const bool big = j < cb;
-          const unsigned r = big ? kvcap + j : kvn + j;
-          const float f = __half2float(big ? kq[r] : wq[r * 2]) * kf, v = __half2float(big ? vq[r] : wq[r * 2 + 1]);
-          tq_span<VB, VC, WV>(vw[u][e], big ? vc + (size_t)r * WV : wc + (size_t)r * WC + WK, VC * g);
-          vs[u][e] = jr < c1 ? v : 0.0f;
-          s[u][e] = jr < c1 ? s[u][e] * f : -INFINITY;
-          s[u][2 + e] = jr < c1 ? s[u][2 + e] * f : -INFINITY;
-        }
-      }
-      unsigned pb[HT][2];
-      float corr[HT];
-      #pragma unroll
-      for (int h = 0; h < HT; h++) {  // online softmax of head g + 8h over the four lanes of g
-        float mt = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, 1));
-        mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, 2));
-        const float mn = fmaxf(m[h], mt), ms = mn == -INFINITY ? 0.0f : mn;
-        corr[h] = exp2f(m[h] - ms);
-        float e4[2][2];
-        #pragma unroll
-        for (int u = 0; u < 2; u++) {
-          e4[u][0] = exp2f(s[u][2 * h] - ms);
-          e4[u][1] = exp2f(s[u][2 * h + 1] - ms);
-        }
-        l[h] = l[h] * corr[h] + (e4[0][0] + e4[0][1]) + (e4[1][0] + e4[1][1]);
-        m[h] = mn;
-        pb[h][0] = tq_h2(e4[0][0] * vs[0][0], e4[0][1] * vs[0][1]);
-        pb[h][1] = tq_h2(e4[1][0] * vs[1][0], e4[1][1] * vs[1][1]);
+        for (int g = 0; g < GP; g++) s[g] *= f;
       }
       #pragma unroll
-      for (int h = 0; h < HT; h++) {  // the sums' columns are heads 8h + 2t, 8h + 2t + 1
-        const float ca = __shfl_sync(0xffffffff, corr[h], 8 * t), cb2 = __shfl_sync(0xffffffff, corr[h], 8 * t + 4);
-        #pragma unroll
-        for (int kt = 0; kt < KT; kt++) {
-          o[h][kt][0] *= ca;
-          o[h][kt][1] *= cb2;
-          o[h][kt][2] *= ca;
-          o[h][kt][3] *= cb2;
-        }
-      }
-      #pragma unroll
-      for (int mt = 0; mt < KT; mt++) {  // rows g, g + 8 of tile mt: coordinates VC * g + 2 mt, + 1
-        unsigned a[4];
-        #pragma unroll
-        for (int x = 0; x < 2; x++) {
-          a[x] = vp[tq_code<VB>(vw[0][0], 2 * mt + x) | tq_code<VB>(vw[0][1], 2 * mt + x) << VB];
-          a[2 + x] = vp[tq_code<VB>(vw[1][0], 2 * mt + x) | tq_code<VB>(vw[1][1], 2 * mt + x) << VB];
-        }
-        #pragma unroll
-        for (int h = 0; h < HT; h++) tq_mma(o[h][mt], a, pb[h][0], pb[h][1]);
-      }
-    }
-    #pragma unroll
-    for (int h = 0; h < HT; h++) {
-      l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
-      l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
-      if (t == 0) { wm[warp][g + 8 * h] = m[h]; wl[warp][g + 8 * h] = l[h]; }
+      for (int g = 0; g < GP; g += 4)
+        *reinterpret_cast<float4*>(sc + (j - t0) * GP + g) = make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
     }
     __syncthreads();
-    // Each warp's sums into the block's, on the block's largest maximum.
-    #pragma unroll
-    for (int h = 0; h < HT; h++) {
+    for (int g = warp; g < G; g += NW) {  // online softmax, a warp per head
+      float mt = -INFINITY;
+      for (int t = lane; t < t1 - t0; t += 32) mt = fmaxf(mt, sc[t * GP + g]);
       #pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int head = 8 * h + 2 * t + e;
-        if (head >= G) continue;
-        const float f = tq_rebase(wm[warp][head], tq_top<NW>(wm, fm, head));
-        #pragma unroll
-        for (int mt = 0; mt < KT; mt++) {
-          atomicAdd(ar + head * D + VC * g + 2 * mt, o[h][mt][e] * f);
-          atomicAdd(ar + head * D + VC * g + 2 * mt + 1, o[h][mt][2 + e] * f);
-        }
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
+      const float mo = fm[g], mn = fmaxf(mo, mt);
+      float lt = 0.0f;
+      for (int t = lane; t < t1 - t0; t += 32) {
+        const float e = expf(sc[t * GP + g] - mn);
+        sc[t * GP + g] = e;
+        lt += e;
+      }
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffff, lt, o);
+      __syncwarp();
+      if (lane == 0) {
+        const float f = expf(mo - mn);
+        fc[g] = f;
+        fl[g] = fl[g] * f + lt;
+        fm[g] = mn;
       }
     }
+    __syncthreads();
+    #pragma unroll
+    for (int g = 0; g < G; g++) { ar[g] *= fc[g]; ap[g] *= fc[g]; }
+    for (int j = from(t0); j < min(t1, S); j += K)
+      tq_fma4<GP>(ap, sc + (j - t0) * GP, static_cast<float>(sv[(kv * SS + j) * D + i]));
+    for (int j = from(c0); j < c1; j += K)
+      tq_fma4<GP>(ar, sc + (j - t0) * GP, tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0]);
+    for (int j = from(max(t0, max(e0, S))); j < min(t1, p + 1); j += K) {
+      const float x = static_cast<float>(j == p ? vnp[i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
+      tq_fma4<GP>(ap, sc + (j - t0) * GP, x);
+    }
+    __syncthreads();
   }
-  __syncthreads();
+  if (K > 1) {  // group 1 hands its sums to group 0 through the score tile (2 * GP * D <= GP * TILE)
+    if (k == 1) {
+      #pragma unroll
+      for (int g = 0; g < G; g++) { sc[g * D + i] = ar[g]; sc[(GP + g) * D + i] = ap[g]; }
+    }
+    __syncthreads();
+    if (k == 0) {
+      #pragma unroll
+      for (int g = 0; g < G; g++) { ar[g] += sc[g * D + i]; ap[g] += sc[(GP + g) * D + i]; }
+    }
+  }
   if (tid < D) {
     #pragma unroll
     for (int g = 0; g < G; g++) {
-      const float M = tq_top<NW>(wm, fm, g), fx = tq_rebase(fm[g] * 1.4426950408889634f, M);
-      float L = fl[g] * fx;
-      #pragma unroll
-      for (int w = 0; w < NW; w++) L += wl[w][g] * tq_rebase(wm[w][g], M);
       float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 2);
-      o[tid] = ar[g * D + tid];
-      o[D + tid] = ax[g * D + tid] * fx;
-      if (tid == 0) { o[2 * D] = M * 0.6931471805599453f; o[2 * D + 1] = L; }
+      o[tid] = ar[g];
+      o[D + tid] = ap[g];
+      if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
     }
   }
 """
