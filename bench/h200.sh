@@ -5,7 +5,7 @@
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
 #    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf tqshared
-#    tp7bfull tprest passsplit tqflash)
+#    tp7bfull tprest passsplit tqflash tqstepab)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -13,7 +13,8 @@
 # Every result lands under $OUT/results (logs + JSON). Stages use the shipped demo model
 # (batchgen/demo) unless DEMO says otherwise; `train` builds one into /root/demo (kept
 # while the machine stays warm, and in $OUT/demo.tar) and uses it from then on.
-# Call 2 may also carry .gpu/pysite (pytest, for tqkernels: the machine has none).
+# The machine's python3 (3.12) now has pytest, with pytest-timeout: carry no .gpu/pysite (an older pytest
+# there broke that plugin's start, 2026-12-01).
 set -u
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.gpu/pysite PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}
@@ -471,6 +472,21 @@ stage_tqflash() {  # issue 8: TurboQuant rows' prompt passes with cuDNN (FLASH_M
     step "tqflash_${run}_$q" 90 python3 bench/batch_profile.py jobs/freeform.jsonl --shape qwen2.5-0.5b --batch 32 \
       --jobs-total 128 --max-tokens 128 --kv-cache turboquant --flash-min-queries "$q" --top 20 \
       --out "$R/tqflash_${run}_$q.json"
+  done
+}
+
+stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (another commit's turboquant_kernels.py):
+  # its CUDA test, the probe (step kernel alone, both, as many launches as layers), then Nsight Compute of one
+  # launch of each at the 7B shape and 32k positions (duration, IPC, occupancy, stall reasons)
+  step tqsab_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_step.py -k step_kernel || return 1
+  step tqsab_probe 240 python3 bench/turboquant_step_probe.py 7b,0.5b 8192,32768 "$TQ_BASELINE"
+  local ncu k
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  for k in tq_step_baseline tq_step; do
+    step "tqsab_ncu_$k" 200 "$ncu" --kernel-name "regex:$k" --launch-skip 40 --launch-count 1 --clock-control none \
+      --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
+      --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      python3 bench/turboquant_step_probe.py 7b 32768 "$TQ_BASELINE"
   done
 }
 
