@@ -1031,7 +1031,7 @@ class TurboQuantKVCache(_BaseCache):
         if p - self._win_r0 >= self._win[0].shape[2]:
             self._shift_window()
         r0, S = self._win_r0, self.sink_tokens
-        chunks, span = _kernels.step_chunks(p + 1, B * H)
+        chunks, span = _kernels.step_chunks(p + 1, B * H, self.key_dim)
         if S:
             sinks = (self.sink_keys, self.sink_values)
         else:

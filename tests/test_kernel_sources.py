@@ -68,7 +68,9 @@ def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
     kb = bits[0]
     wk = dim * kb // 32
     types = step_dtypes(dtype)
-    assert f"TILE = {K.STEP_TILE}" in K._STEP  # step_chunks splits positions in the kernel's tiles
+    # step_chunks splits positions in the kernel's tiles: a block's threads, as launched
+    assert "TILE = NT;" in K._STEP and "NT = D > 64 ? 256 : 128" in K._STEP
+    assert [K._threads(d) for d in (64, 128, 256)] == [128, 256, 256]
     # The templates the real launches use (turboquant_kernels._step_launch).
     mx_dtype = {"bf16": mx.bfloat16, "f32": mx.float32}[dtype]
     step, merge = K._step_launch(1, 2 * group, dim, 2, bits, 44, 8, mx_dtype)

@@ -346,11 +346,12 @@ def test_step_meta_follows_the_fields(monkeypatch):
     assert fresh == [seq[0], seq[4]]  # the rest moved by 0 or 1
 
 
-def test_step_chunks_cover_the_positions_in_at_most_step_blocks():
+@pytest.mark.parametrize("dim,tile", [(64, 128), (128, 256), (256, 256)])
+def test_step_chunks_cover_the_positions_in_at_most_step_blocks(dim, tile):
     for positions in (1, 127, 128, 129, 1000, 8192, 32768, 40000, 10**6):
         for rows in (1, 2, 3, 4, 28, 600):
-            chunks, span = kernels.step_chunks(positions, rows)
-            assert span % kernels.STEP_TILE == 0
+            chunks, span = kernels.step_chunks(positions, rows, dim)
+            assert span % tile == 0
             assert (chunks - 1) * span < positions <= chunks * span
             assert chunks <= kernels.STEP_BLOCKS  # the merge kernel's shared weights
 
