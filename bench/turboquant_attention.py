@@ -9,7 +9,8 @@ time is the median over `--steps` steps after a warm-up, synced per step.
 `--step-blocks 512,2048`: the step mode again with `turboquant_kernels.STEP_BLOCKS`
 (the blocks a step kernel aims at) set to each value (`tq_step_<N>_ms`).
 `--step-baseline FILE`: the step mode again with `tq_step` built from another
-`turboquant_kernels.py` (an older commit's, same inputs and outputs), `tq_step_baseline_ms`.
+`turboquant_kernels.py` (an older commit's, same inputs and outputs; its block size, the
+shipped chunks), `tq_step_baseline_ms`.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, d
     return statistics.median(times)
 
 
-def baseline_kernels(path: str):
-    """`turboquant_kernels._step_kernel` with `tq_step` compiled from the file at `path`
-    (its own body and header), the other kernels as shipped."""
+def baseline_kernels(path: str) -> dict:
+    """What to patch into `turboquant_kernels` to run `tq_step` as compiled from the file
+    at `path` (its own body and header; the other kernels as shipped): `_step_kernel`,
+    and `_threads` (its block size; clear `_step_launch`'s cache around the patch)."""
     spec = importlib.util.spec_from_file_location("baseline_turboquant_kernels", path)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
@@ -88,7 +90,9 @@ def baseline_kernels(path: str):
     kernel = mx.fast.cuda_kernel(name="tq_step_baseline", input_names=inputs, output_names=outputs, source=body,
                                  header=old._STEP_HEADER, ensure_row_contiguous=False)  # fmt: skip
     shipped = turboquant_kernels._step_kernel
-    return lambda name, body=None: kernel if name == "tq_step" else shipped(name, body)
+    threads = getattr(old, "_threads", lambda dim: max(128, dim))
+    return {"_step_kernel": lambda name, body=None: kernel if name == "tq_step" else shipped(name, body),
+            "_threads": threads}  # fmt: skip
 
 
 PATHS = {"ops": (False, False), "fused": (True, False), "step": (True, True)}  # (FUSED_KERNELS, STEP_KERNEL)
@@ -113,8 +117,10 @@ def measure(shape: str, n: int, steps: int, dtype, step_blocks: tuple = (), path
         with patched(turboquant_kernels, STEP_BLOCKS=blocks):
             row[f"tq_step_{blocks}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
     if baseline is not None:
-        with patched(turboquant_kernels, _step_kernel=baseline):
+        turboquant_kernels._step_launch.cache_clear()
+        with patched(turboquant_kernels, **baseline):
             row["tq_step_baseline_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
+        turboquant_kernels._step_launch.cache_clear()
     row["step_kv_bytes"] = sum(c.nbytes for c in caches)
     return row
 

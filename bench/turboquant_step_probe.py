@@ -7,7 +7,7 @@ update_and_fetch + attention; `kernels` = the step and merge kernels alone, as m
 launches as layers, over one layer's captured arguments (no cache bookkeeping);
 `step_only` / `merge_only` = one of the two, as many launches as layers (a third
 argument, another commit's turboquant_kernels.py: `baseline_step_only` its step
-kernel on the same launches); `empty` = as
+kernel on the same chunks, at its own block size); `empty` = as
 many launches of a custom kernel that writes one float as the step launches (two a
 layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.fast
 attention over an fp16 cache of the same context, every layer; `empty_step_args` /
@@ -110,8 +110,11 @@ def probe(shape: str, n: int) -> dict:
                                                       output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
                                                 for _ in range(2 * layers)]))  # fmt: skip
     if BASELINE:  # the same launches through another commit's step kernel
-        old = baseline_kernels(BASELINE)("tq_step")
-        row["baseline_step_only_ms"] = timed_ms(lambda: mx.eval([old(inputs=step_in, **launch)[0] for _ in range(layers)]))
+        baseline = baseline_kernels(BASELINE)
+        old, threads = baseline["_step_kernel"]("tq_step"), baseline["_threads"](dim)
+        old_launch = dict(launch, grid=(kv_heads * chunks * threads, 1, 1), threadgroup=(threads, 1, 1))
+        row["baseline_step_only_ms"] = timed_ms(lambda: mx.eval([old(inputs=step_in, **old_launch)[0]
+                                                                 for _ in range(layers)]))  # fmt: skip
     # Host cost of a launch: the step's arguments (inputs, outputs, template) with an
     # empty body, and an empty body with the step's header.
     names = kernels.STEP_KERNELS["tq_step"]
