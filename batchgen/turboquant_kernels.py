@@ -209,7 +209,7 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 #     TILE at a time: scores of the group's G query heads into shared memory
 #     (exact positions against the scaled query, coded ones against the rotated
 #     query: (R q).(R k) = q.k), an online softmax per head, then thread i adds
-#     coordinate i of the probability-weighted values (at D = 64 two threads,
+#     coordinate i of the probability-weighted values (below D = 256 two threads,
 #     each half the positions), coded ones in the rotated domain, exact ones in
 #     the plain one;
 #   * `merge` combines the chunks' (max, sum, two accumulators) per query head
@@ -405,7 +405,7 @@ _STEP = """
   __syncthreads();
   tq_wht<D>(qr, GP, GP, 1);
 
-  // Values: K groups of D lanes (K = 2 when D = 64), group k takes positions k mod K.
+  // Values: K groups of D lanes (K = 2 below D = 256), group k takes positions k mod K.
   const int i = tid % D, k = tid / D;
   auto from = [&](int j) { return j + ((k - j) & (K - 1)); };
   float ar[GP], ap[GP];

@@ -277,7 +277,7 @@ def test_encode_kernel_matches_quantize(dim, bits):
 @cuda
 @pytest.mark.parametrize("heads,dim,n,dtype", [((14, 2), 64, 700, mx.float32), ((28, 4), 128, 3000, mx.float32),
                                                ((7, 1), 128, 300, mx.bfloat16),
-                                               ((32, 2), 64, 900, mx.float32),  # two tiles of heads
+                                               ((32, 2), 64, 900, mx.float32),  # 16 query heads a kv head
                                                ((8, 2), 256, 500, mx.float32),
                                                ((2, 1), 64, 40000, mx.float32)])  # more chunks than merge threads # fmt: skip
 def test_step_kernel_matches_reference(heads, dim, n, dtype):
