@@ -297,11 +297,15 @@ stage_matrix() {  # issue 8: rows of the measurement matrix not run on the curre
     --max-tokens 128 --out "$R/throughput_demo_freeform.json"
 }
 
+ncu_bin() {  # Nsight Compute's command line: on the PATH, else where the CUDA image installs it
+  command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1
+}
+
 ncu_each() {  # ncu_each PREFIX SPECS NCU_ARGS...: bench/kernel_profile.py under Nsight Compute once for each of
   # the ';'-separated SPECS (its arguments), logged as $R/PREFIX_<spec>.log; {} in NCU_ARGS stands for that name
   local prefix=$1 specs_text=$2 ncu spec name specs
   shift 2
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  ncu=$(ncu_bin)
   step "${prefix}_version" 30 "$ncu" --version || return 1
   IFS=';' read -r -a specs <<<"$specs_text"
   for spec in "${specs[@]}"; do
@@ -482,7 +486,7 @@ stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (anot
   step tqsab_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_step.py -k step_kernel || return 1
   step tqsab_probe 240 python3 bench/turboquant_step_probe.py 7b,0.5b 8192,32768 "$TQ_BASELINE"
   local ncu k
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  ncu=$(ncu_bin)
   for k in tq_step_baseline tq_step; do
     step "tqsab_ncu_$k" 200 "$ncu" --kernel-name "regex:$k" --launch-skip 40 --launch-count 1 --clock-control none \
       --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \

@@ -90,9 +90,8 @@ def baseline_kernels(path: str) -> dict:
     kernel = mx.fast.cuda_kernel(name="tq_step_baseline", input_names=inputs, output_names=outputs, source=body,
                                  header=old._STEP_HEADER, ensure_row_contiguous=False)  # fmt: skip
     shipped = turboquant_kernels._step_kernel
-    threads = getattr(old, "_threads", lambda dim: max(128, dim))
     return {"_step_kernel": lambda name, body=None: kernel if name == "tq_step" else shipped(name, body),
-            "_threads": threads}  # fmt: skip
+            "_threads": old._threads}  # fmt: skip
 
 
 PATHS = {"ops": (False, False), "fused": (True, False), "step": (True, True)}  # (FUSED_KERNELS, STEP_KERNEL)
