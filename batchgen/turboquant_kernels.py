@@ -33,13 +33,17 @@ VALUE_CHUNK = 64  # tokens per partial sum in `values`
 _SCORE_THREADS = 128
 
 _UNPACK = """
-template <int BITS>
-__device__ __forceinline__ unsigned int tq_code(const unsigned int* row, int i) {
-  const int pos = i * BITS;
+// WIDTH bits of a little-endian bit stream from bit pos; code i of BITS-bit codes.
+template <int WIDTH>
+__device__ __forceinline__ unsigned int tq_bits(const unsigned int* row, int pos) {
   const int w = pos >> 5, s = pos & 31;
   unsigned int c = row[w] >> s;
-  if (s + BITS > 32) c |= row[w + 1] << (32 - s);
-  return c & ((1u << BITS) - 1u);
+  if (s + WIDTH > 32) c |= row[w + 1] << (32 - s);
+  return c & ((1u << WIDTH) - 1u);
+}
+template <int BITS>
+__device__ __forceinline__ unsigned int tq_code(const unsigned int* row, int i) {
+  return tq_bits<BITS>(row, i * BITS);
 }
 """
 
@@ -212,6 +216,12 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 #     coordinate i of the probability-weighted values (below D = 256 two threads,
 #     each half the positions), coded ones in the rotated domain, exact ones in
 #     the plain one;
+#   * at D = 128 the coded positions' two products run on tensor cores instead
+#     (mma with fp16 codebook levels, rotated queries and weights, float32 sums):
+#     a warp scores 32 positions 8 at a time and sums 16 coordinates over the
+#     tile; H200, 7B shape at 32k: 41.3 us a launch against 51.7-53.6 on CUDA
+#     cores, within 6e-5 of the float32 reference (at D = 64, the 0.5B shape, it
+#     was slower: 28 launches at 32k 1.23 ms against 0.84);
 #   * `merge` combines the chunks' (max, sum, two accumulators) per query head
 #     and takes the rotated sum back with the inverse rotation;
 #   * the cache's recent positions live in a small window of slots (exact
@@ -228,6 +238,38 @@ __host__ __device__ constexpr int tq_gcd32(int b) {
   int g = 1;
   while (g < 32 && b % (2 * g) == 0) g *= 2;
   return g;
+}
+
+// Two floats as the fp16 pair an mma operand register holds (the first in the low half).
+__device__ __forceinline__ unsigned tq_h2(float lo, float hi) {
+  return (unsigned)__half_as_ushort(__float2half_rn(lo)) | ((unsigned)__half_as_ushort(__float2half_rn(hi)) << 16);
+}
+
+// c += a . b for one warp: a 16 x 16, b 16 x 8 fp16, c 16 x 8 float32 (PTX's fragment
+// layouts: lane (g, t) = (lane / 4, lane % 4) holds a's rows g, g + 8 at columns 2t, 2t + 1,
+// 2t + 8, 2t + 9; b's rows 2t, 2t + 1, 2t + 8, 2t + 9 of column g; c's rows g, g + 8 at
+// columns 2t, 2t + 1).
+__device__ __forceinline__ void tq_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Codes first .. first + COUNT - 1 of a packed row of ROWW words, shifted so that
+// code first + u is tq_code<BITS>(v, u). The run starts on a word when first * BITS
+// is a multiple of 32; else one more word is read where the row has it.
+template <int BITS, int COUNT, int ROWW>
+__device__ __forceinline__ void tq_span(unsigned* v, const unsigned* row, int first) {
+  constexpr int NV = (COUNT * BITS + 31) / 32;
+  constexpr bool ALIGNED = COUNT * BITS % 32 == 0;
+  const int bit = first * BITS, w0 = bit >> 5, off = bit & 31;
+  unsigned w[NV + 1];
+  #pragma unroll
+  for (int x = 0; x < NV; x++) w[x] = row[w0 + x];
+  w[NV] = !ALIGNED && w0 + NV < ROWW ? row[w0 + NV] : 0u;
+  #pragma unroll
+  for (int x = 0; x < NV; x++) v[x] = ALIGNED ? w[x] : __funnelshift_r(w[x], w[x + 1], off);
 }
 
 __device__ __forceinline__ void tq_store(float* p, float v) { *p = v; }
@@ -354,6 +396,7 @@ _STEP = """
   const int bk = blockIdx.x / C, c = blockIdx.x % C, b = bk / HKV, hk = bk % HKV;
   const int lo = c * span, hi = min(p + 1, lo + span);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int lg = lane >> 2, lt = lane & 3;  // the mma fragments' lane (group, thread in group)
   const size_t kv = (size_t)bk;
   // q, the new key and value come straight from the model (often transposed views):
   // read through their strides, no copy.
@@ -361,12 +404,23 @@ _STEP = """
   const auto* knp = kn + b * kn_strides[0] + hk * kn_strides[1];
   const auto* vnp = vn + b * vn_strides[0] + hk * vn_strides[1];
   const long long kns = kn_strides[3], vns = vn_strides[3];
-  constexpr int GP = (G + 3) / 4 * 4, K = NT / D;
+  // Coded positions' products on tensor cores where they were measured faster (H200:
+  // D = 128, the 7B shape); elsewhere a thread a position (scores) and a lane a
+  // coordinate (values) on CUDA cores. mma tiles: KT k-steps of 16 coordinates, HT
+  // tiles of 8 heads, MT tiles of 16 value coordinates a warp; a warp scores 32
+  // positions of a tile.
+  constexpr bool MMA = D == 128;
+  constexpr int GP = (G + 3) / 4 * 4, K = NT / D, KT = D / 16, HT = (G + 7) / 8, MT = D / 16 / NW;
+  constexpr int RUN = D / 4, SPS = TILE + 8;
   static_assert(K == 1 || (K == 2 && 2 * D <= TILE), "value groups");
+  static_assert(!MMA || (G <= 16 && MT >= 1 && TILE == 32 * NW), "mma tiles");
   __shared__ __align__(16) float qp[GP * D], qr[GP * D], sc[GP * TILE];
   __shared__ float tk[1 << KB], tv[1 << VB];
-  __shared__ float fm[G], fl[G], fc[G], svs[TILE];
-  __shared__ unsigned int svc[TILE * WV];
+  __shared__ unsigned short tkh[MMA ? 1 << KB : 1];
+  __shared__ unsigned tv2[MMA ? 1 << (2 * VB) : 1];
+  __shared__ float fm[G], fl[G], fc[16], sks[MMA ? TILE : 1], svs[TILE];
+  __shared__ unsigned int svc[TILE * WV + 1];  // + 1: an mma lane reads two words from its codes' first
+  __shared__ __half sp[MMA ? G * SPS : 1];
   __shared__ unsigned char eidx[2 * D];
 
   // The window (slot s: exact key, exact value; key then value codes; two scales)
@@ -391,7 +445,7 @@ _STEP = """
 
   // Scaled queries of the group, plain and rotated (unnormalised: coded scores take
   // 1 / D), stored coordinate-major with the heads padded to GP: a coordinate's GP
-  // values are GP / 4 float4 loads (one shared-memory load per head was the cost).
+  // values are GP / 4 float4 loads (the exact positions' scores).
   const float qs = books[D];
   for (int t = tid; t < GP * D; t += NT) {
     const int g = t % GP, i = t / GP;
@@ -401,11 +455,44 @@ _STEP = """
   }
   for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
   for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
+  if (MMA) {
+    // Levels as the fp16 mma operands hold them; value levels two at a time: entry
+    // a | b << VB is (level a, level b), one load for a coordinate at two positions.
+    for (int t = tid; t < (1 << KB); t += NT) tkh[t] = __half_as_ushort(__float2half_rn(ktab[t]));
+    for (int t = tid; t < (1 << (2 * VB)); t += NT) tv2[t] = tq_h2(vtab[t & ((1 << VB) - 1)], vtab[t >> VB]);
+  }
+  if (tid < 16) fc[tid] = 1.0f;
   if (tid < G) { fm[tid] = -INFINITY; fl[tid] = 0.0f; }
   __syncthreads();
   tq_wht<D>(qr, GP, GP, 1);
 
-  // Values: K groups of D lanes (K = 2 below D = 256), group k takes positions k mod K.
+  // Coded positions on tensor cores (mma m16n8k16: fp16 operands, float32 sums).
+  //   scores (16 heads x 8 positions) = Qr (16 x D) . levels of the keys' codes (D x 8);
+  //   sums (16 coordinates x 8 heads) += levels of the values' codes . P^T (weights
+  //   times the value scales, 0 at exact positions).
+  // An mma's k index may stand for any coordinate so long as both operands agree: a
+  // lane's key codes are one run of its row (codes RUN * lt + 4s .. + 3 in k-step s).
+  unsigned qa[KT][4];
+  {
+    auto qh = [&](int x, int h) { return h < G ? qr[x * GP + h] : 0.0f; };
+    #pragma unroll
+    for (int s = 0; s < KT; s++) {
+      const int x = RUN * lt + 4 * s;
+      qa[s][0] = tq_h2(qh(x, lg), qh(x + 1, lg));
+      qa[s][1] = tq_h2(qh(x, lg + 8), qh(x + 1, lg + 8));
+      qa[s][2] = tq_h2(qh(x + 2, lg), qh(x + 3, lg));
+      qa[s][3] = tq_h2(qh(x + 2, lg + 8), qh(x + 3, lg + 8));
+    }
+  }
+  float o[MT][HT][4];
+  #pragma unroll
+  for (int m = 0; m < MT; m++) {
+    #pragma unroll
+    for (int h = 0; h < HT; h++) o[m][h][0] = o[m][h][1] = o[m][h][2] = o[m][h][3] = 0.0f;
+  }
+
+  // Values on CUDA cores (exact ones always, coded ones without MMA): K groups of D
+  // lanes (K = 2 below D = 256), group k takes positions k mod K.
   const int i = tid % D, k = tid / D;
   auto from = [&](int j) { return j + ((k - j) & (K - 1)); };
   float ar[GP], ap[GP];
@@ -415,14 +502,49 @@ _STEP = """
     const int t1 = min(hi, t0 + TILE);
     // The tile's coded values (codes, scales) into shared memory in one coalesced
     // pass: thread i then reads them there, not position after position from memory.
+    // MMA: the key scales too (divided by D), and both scales 0 at exact positions.
     const int c0 = max(t0, S), c1 = min(t1, e0);
     for (int t = tid; t < (c1 - c0) * WV; t += NT) {
       const int j = c0 + t / WV, x = t % WV;
       svc[(j - t0) * WV + x] = j < cb ? vc[(kv * cap + j - S) * WV + x] : wc[(kv * N + j - r0) * WC + WK + x];
     }
-    for (int j = c0 + tid; j < c1; j += NT)
-      svs[j - t0] = __half2float(j < cb ? vq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2 + 1]);
+    for (int j = (MMA ? t0 : c0) + tid; j < (MMA ? t1 : c1); j += NT) {
+      const bool coded = j >= c0 && j < c1, big = j < cb;
+      const size_t r = big ? kv * cap + j - S : (kv * N + j - r0) * 2;
+      if (MMA) sks[j - t0] = coded ? __half2float(big ? kq[r] : wq[r]) * (1.0f / D) : 0.0f;
+      svs[j - t0] = coded ? __half2float(big ? vq[r] : wq[r + 1]) : 0.0f;
+    }
+    if (MMA) __syncthreads();
+    // Coded scores: warp w the positions t0 + 32w .., 8 at a time (lane: position lg's
+    // codes; score columns 2lt, 2lt + 1). Positions outside [c0, c1) read row c0 or
+    // c1 - 1 and are not stored.
+    #pragma unroll
+    for (int u = 0; u < (MMA ? 4 : 0); u++) {
+      const int j8 = t0 + 32 * warp + 8 * u;
+      if (j8 >= c1 || j8 + 8 <= c0) continue;
+      const int jr = min(max(j8 + lg, c0), c1 - 1);
+      const unsigned* row = jr < cb ? kc + (kv * cap + jr - S) * WK : wc + (kv * N + jr - r0) * WC;
+      unsigned w[(RUN * KB + 31) / 32];
+      tq_span<KB, RUN, WK>(w, row, RUN * lt);
+      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      #pragma unroll
+      for (int s = 0; s < KT; s++) {
+        const unsigned b0 = tkh[tq_code<KB>(w, 4 * s)] | (unsigned)tkh[tq_code<KB>(w, 4 * s + 1)] << 16;
+        const unsigned b1 = tkh[tq_code<KB>(w, 4 * s + 2)] | (unsigned)tkh[tq_code<KB>(w, 4 * s + 3)] << 16;
+        tq_mma(s & 1 ? s1 : s0, qa[s], b0, b1);  // two chains of dependent mma, not one
+      }
+      #pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int j = j8 + 2 * lt + e;
+        if (j < c0 || j >= c1) continue;
+        const float f = sks[j - t0];
+        if (lg < G) sc[(j - t0) * GP + lg] = (s0[e] + s1[e]) * f;
+        if (lg + 8 < G) sc[(j - t0) * GP + lg + 8] = (s0[2 + e] + s1[2 + e]) * f;
+      }
+    }
+    // Scores on CUDA cores, a thread a position: exact ones, and coded ones without MMA.
     for (int j = t0 + tid; j < t1; j += NT) {
+      if (MMA && j >= c0 && j < c1) continue;
       float s[GP];
       #pragma unroll
       for (int g = 0; g < GP; g++) s[g] = 0.0f;
@@ -430,10 +552,8 @@ _STEP = """
         const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
         const long long ks = j == p ? kns : 1;
         for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
-      } else {
-        const bool big = j < cb;
-        const unsigned int* row = big ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC;
-        const float f = __half2float(big ? kq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2]) * (1.0f / D);
+      } else if (!MMA) {
+        const unsigned int* row = j < cb ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC;
         // A group of codes fills whole words (32 / gcd(KB, 32) codes): its words in
         // registers, its codes unrolled; the groups are not (registers).
         constexpr int GC = 32 / tq_gcd32(KB), GW = KB / tq_gcd32(KB);
@@ -444,6 +564,7 @@ _STEP = """
           #pragma unroll
           for (int u = 0; u < GC; u++) tq_fma4<GP>(s, qr + (gi * GC + u) * GP, tk[tq_code<KB>(w, u)]);
         }
+        const float f = __half2float(j < cb ? kq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2]) * (1.0f / D);
         #pragma unroll
         for (int g = 0; g < GP; g++) s[g] *= f;
       }
@@ -452,25 +573,27 @@ _STEP = """
         *reinterpret_cast<float4*>(sc + (j - t0) * GP + g) = make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
     }
     __syncthreads();
+    const int n16 = (t1 - t0 + 15) & ~15;  // the value products' positions, whole k-steps
     for (int g = warp; g < G; g += NW) {  // online softmax, a warp per head
       float mt = -INFINITY;
       for (int t = lane; t < t1 - t0; t += 32) mt = fmaxf(mt, sc[t * GP + g]);
       #pragma unroll
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
       const float mo = fm[g], mn = fmaxf(mo, mt);
-      float lt = 0.0f;
-      for (int t = lane; t < t1 - t0; t += 32) {
-        const float e = expf(sc[t * GP + g] - mn);
-        sc[t * GP + g] = e;
-        lt += e;
+      float ls = 0.0f;
+      for (int t = lane; t < (MMA ? n16 : t1 - t0); t += 32) {
+        const float e = t < t1 - t0 ? expf(sc[t * GP + g] - mn) : 0.0f;
+        if (t < t1 - t0) sc[t * GP + g] = e;
+        if (MMA) sp[g * SPS + t] = __float2half_rn(e * svs[t < t1 - t0 ? t : 0]);
+        ls += e;
       }
       #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffff, lt, o);
+      for (int o = 16; o > 0; o >>= 1) ls += __shfl_xor_sync(0xffffffff, ls, o);
       __syncwarp();
       if (lane == 0) {
         const float f = expf(mo - mn);
         fc[g] = f;
-        fl[g] = fl[g] * f + lt;
+        fl[g] = fl[g] * f + ls;
         fm[g] = mn;
       }
     }
@@ -479,31 +602,84 @@ _STEP = """
     for (int g = 0; g < G; g++) { ar[g] *= fc[g]; ap[g] *= fc[g]; }
     for (int j = from(t0); j < min(t1, S); j += K)
       tq_fma4<GP>(ap, sc + (j - t0) * GP, static_cast<float>(sv[(kv * SS + j) * D + i]));
-    for (int j = from(c0); j < c1; j += K)
-      tq_fma4<GP>(ar, sc + (j - t0) * GP, tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0]);
     for (int j = from(max(t0, max(e0, S))); j < min(t1, p + 1); j += K) {
       const float x = static_cast<float>(j == p ? vnp[i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
       tq_fma4<GP>(ap, sc + (j - t0) * GP, x);
     }
-    __syncthreads();
-  }
-  if (K > 1) {  // group 1 hands its sums to group 0 through the score tile (2 * GP * D <= GP * TILE)
-    if (k == 1) {
+    if (!MMA) {
+      for (int j = from(c0); j < c1; j += K)
+        tq_fma4<GP>(ar, sc + (j - t0) * GP, tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0]);
+    }
+    // Coded values: warp w's coordinates x = 16 (w MT + m) + 2 lg (row lg) and x + 1
+    // (row lg + 8), at positions 2lt, 2lt + 1, 2lt + 8, 2lt + 9 of each k-step.
+    #pragma unroll
+    for (int m = 0; m < MT; m++) {
       #pragma unroll
-      for (int g = 0; g < G; g++) { sc[g * D + i] = ar[g]; sc[(GP + g) * D + i] = ap[g]; }
+      for (int h = 0; h < HT; h++) {
+        const float fa = fc[8 * h + 2 * lt], fb = fc[8 * h + 2 * lt + 1];
+        o[m][h][0] *= fa;
+        o[m][h][1] *= fb;
+        o[m][h][2] *= fa;
+        o[m][h][3] *= fb;
+      }
+    }
+    if (MMA && c1 > c0) {
+      const unsigned* rows = svc + 2 * lt * WV;  // this lane's positions 2lt + {0, 1, 8, 9} of each k-step
+      for (int ks = 0; ks < n16; ks += 16, rows += 16 * WV) {
+        unsigned pb[HT][2];
+        #pragma unroll
+        for (int h = 0; h < HT; h++) {
+          const int g = lg + 8 * h;
+          const __half* w = sp + g * SPS + ks + 2 * lt;
+          pb[h][0] = g < G ? *reinterpret_cast<const unsigned*>(w) : 0u;
+          pb[h][1] = g < G ? *reinterpret_cast<const unsigned*>(w + 8) : 0u;
+        }
+        #pragma unroll
+        for (int m = 0; m < MT; m++) {
+          // Codes of x and x + 1 at each position: 2 VB bits from bit x VB of its row.
+          const int bit = (16 * (warp * MT + m) + 2 * lg) * VB, vw = bit >> 5, vs = bit & 31;
+          constexpr unsigned VM = (1u << VB) - 1u;
+          unsigned v[4];
+          #pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const unsigned* r = rows + ((e & 1) + 8 * (e >> 1)) * WV + vw;
+            v[e] = __funnelshift_r(r[0], r[1], vs);
+          }
+          // a: (x; positions 2lt, 2lt + 1), (x + 1; same), (x; + 8, + 9), (x + 1; + 8, + 9)
+          const unsigned a[4] = {tv2[(v[0] & VM) | (v[1] & VM) << VB], tv2[(v[0] >> VB & VM) | (v[1] & VM << VB)],
+                                 tv2[(v[2] & VM) | (v[3] & VM) << VB], tv2[(v[2] >> VB & VM) | (v[3] & VM << VB)]};
+          #pragma unroll
+          for (int h = 0; h < HT; h++) tq_mma(o[m][h], a, pb[h][0], pb[h][1]);
+        }
+      }
     }
     __syncthreads();
-    if (k == 0) {
+  }
+  // MMA: coded sums (rotated) into qr, head-major (the queries' buffer is free now).
+  // Group 1's sums through the score tile to group 0 (2 * GP * D <= GP * TILE).
+  #pragma unroll
+  for (int m = 0; m < (MMA ? MT : 0); m++) {
+    const int x = 16 * (warp * MT + m) + 2 * lg;
+    #pragma unroll
+    for (int h = 0; h < HT; h++) {
       #pragma unroll
-      for (int g = 0; g < G; g++) { ar[g] += sc[g * D + i]; ap[g] += sc[(GP + g) * D + i]; }
+      for (int e = 0; e < 2; e++) {
+        const int g = 8 * h + 2 * lt + e;
+        if (g < G) { qr[g * D + x] = o[m][h][e]; qr[g * D + x + 1] = o[m][h][2 + e]; }
+      }
     }
   }
+  if (K > 1 && k == 1) {
+    #pragma unroll
+    for (int g = 0; g < G; g++) { sc[g * D + i] = ar[g]; sc[(GP + g) * D + i] = ap[g]; }
+  }
+  __syncthreads();
   if (tid < D) {
     #pragma unroll
     for (int g = 0; g < G; g++) {
       float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 2);
-      o[tid] = ar[g];
-      o[D + tid] = ap[g];
+      o[tid] = MMA ? qr[g * D + tid] : (K > 1 ? ar[g] + sc[g * D + tid] : ar[g]);
+      o[D + tid] = K > 1 ? ap[g] + sc[(GP + g) * D + tid] : ap[g];
       if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
     }
   }
@@ -562,7 +738,7 @@ _MERGE = """
   if (k == 0) tq_store(out + (size_t)bh * D + i, (a + ys[i] * books[i] * (1.0f / D)) / L);
 """
 
-STEP_BLOCKS = 512  # blocks aimed at per step and layer (of 128 or 256 threads, 64-89 registers a thread)
+STEP_BLOCKS = 512  # blocks aimed at per step and layer (of 128 or 256 threads, 56-96 registers a thread)
 MERGE_THREADS = 512
 
 

@@ -282,7 +282,8 @@ def test_encode_kernel_matches_quantize(dim, bits):
                                                ((2, 1), 64, 40000, mx.float32)])  # more chunks than merge threads # fmt: skip
 def test_step_kernel_matches_reference(heads, dim, n, dtype):
     """Many steps (window shifts, chunk splits), kernel vs reference on the same
-    cache state each step: outputs within float32 rounding (bf16: 2e-2), windows equal."""
+    cache state each step: outputs within 2e-3 (the coded positions' products take fp16
+    operands on tensor cores; bf16 models: 2e-2), windows equal."""
     n_heads, kv_heads = heads
     total = n + 80
     k, v = kv(total, 31, heads=kv_heads, dim=dim, dtype=dtype)
@@ -292,7 +293,7 @@ def test_step_kernel_matches_reference(heads, dim, n, dtype):
     c.update_and_fetch(k[:, :, :n], v[:, :, :n])
     c.attention(q[:, :, n - 1 :], scale=dim**-0.5, mask=None)  # consumes the chunk
     real = kernels.step
-    tol = 2e-2 if dtype == mx.bfloat16 else 2e-4
+    tol = 2e-2 if dtype == mx.bfloat16 else 2e-3
     for t in range(n, total):
         c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         calls = []
