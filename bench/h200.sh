@@ -480,10 +480,11 @@ stage_tqflash() {  # issue 8: TurboQuant rows' prompt passes with cuDNN (FLASH_M
 }
 
 stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (another commit's turboquant_kernels.py):
-  # its CUDA test, the probe (step kernel alone, both, as many launches as layers), then Nsight Compute of one
-  # launch of each at the 7B shape and 32k positions (duration, IPC, occupancy, stall reasons)
+  # its CUDA test and error against the reference, the probe (step kernel alone, both, as many launches as layers),
+  # then Nsight Compute of one launch of each at the 7B shape and 32k positions (duration, IPC, occupancy, stalls)
   : "${TQ_BASELINE:?tqstepab needs TQ_BASELINE (an older turboquant_kernels.py)}"
   step tqsab_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_step.py -k step_kernel || return 1
+  step tqsab_error 120 python3 bench/turboquant_step_error.py
   step tqsab_probe 240 python3 bench/turboquant_step_probe.py 7b,0.5b 8192,32768 "$TQ_BASELINE"
   local ncu k
   ncu=$(ncu_bin)
