@@ -284,8 +284,27 @@ def test_step_kernel_matches_reference(heads, dim, n, dtype):
     """Many steps (window shifts, chunk splits), kernel vs reference on the same
     cache state each step: outputs within 2e-3 (the coded positions' products take fp16
     operands on tensor cores; bf16 models: 2e-2), windows equal."""
+    tol = 2e-2 if dtype == mx.bfloat16 else 2e-3
+    for t, c, out, want, want_window in kernel_steps(heads, dim, n, 80, dtype):
+        err = mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        assert err <= tol * max(1.0, mx.abs(want).max().item()), (t, err)
+        slot = t - c._win_r0
+        assert mx.array_equal(c._win[0][:, :, : slot + 1], want_window[0][:, :, : slot + 1]), t
+
+
+def test_kernel_steps_hands_the_reference_what_the_step_got(step_on_cpu):
+    """The helper below on this CPU, the reference standing in for the kernel: a step
+    each position, each output the reference's on the arguments the step got."""
+    seen = [(t, mx.array_equal(out, want).item()) for t, _, out, want, _ in kernel_steps((4, 2), 64, 50, 5, mx.float32)]
+    assert seen == [(t, True) for t in range(50, 55)]
+
+
+def kernel_steps(heads: tuple, dim: int, n: int, steps: int, dtype):
+    """A TurboQuant cache of n random positions in step mode, then `steps` decode
+    steps through the kernel: (t, cache, output, reference output, reference window)
+    a step, the reference run on the arguments the kernel got."""
     n_heads, kv_heads = heads
-    total = n + 80
+    total = n + steps
     k, v = kv(total, 31, heads=kv_heads, dim=dim, dtype=dtype)
     q = mx.random.normal((1, n_heads, total, dim), key=mx.random.key(32)).astype(dtype)
     c = tq.TurboQuantKVCache(4)
@@ -293,7 +312,6 @@ def test_step_kernel_matches_reference(heads, dim, n, dtype):
     c.update_and_fetch(k[:, :, :n], v[:, :, :n])
     c.attention(q[:, :, n - 1 :], scale=dim**-0.5, mask=None)  # consumes the chunk
     real = kernels.step
-    tol = 2e-2 if dtype == mx.bfloat16 else 2e-3
     for t in range(n, total):
         c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         calls = []
@@ -302,11 +320,7 @@ def test_step_kernel_matches_reference(heads, dim, n, dtype):
             out = c.attention(q[:, :, t : t + 1], scale=dim**-0.5, mask=None)
         finally:
             kernels.step = real
-        want, want_window = reference_step(*calls[0])
-        err = mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item()
-        assert err <= tol * max(1.0, mx.abs(want).max().item()), (t, err)
-        slot = t - c._win_r0
-        assert mx.array_equal(c._win[0][:, :, : slot + 1], want_window[0][:, :, : slot + 1]), t
+        yield (t, c, out, *reference_step(*calls[0]))
 
 
 @cuda
