@@ -272,6 +272,61 @@ __device__ __forceinline__ void tq_span(unsigned* v, const unsigned* row, int fi
   for (int x = 0; x < NV; x++) v[x] = ALIGNED ? w[x] : __funnelshift_r(w[x], w[x + 1], off);
 }
 
+// The rotated queries (qr: coordinate-major, heads padded to GP) as mma A fragments, a
+// k-step s of 16 coordinates each: lane (g, t) holds heads g, g + 8 (0 past G) at the
+// coordinates of its key codes, D / 4 * t + 4s .. + 3 (see tq_step's scores).
+template <int D, int G, int GP>
+__device__ __forceinline__ void tq_query_fragments(unsigned (*qa)[4], const float* qr, int g, int t) {
+  auto qh = [&](int x, int h) { return h < G ? qr[x * GP + h] : 0.0f; };
+  #pragma unroll
+  for (int s = 0; s < D / 16; s++) {
+    const int x = D / 4 * t + 4 * s;
+    qa[s][0] = tq_h2(qh(x, g), qh(x + 1, g));
+    qa[s][1] = tq_h2(qh(x, g + 8), qh(x + 1, g + 8));
+    qa[s][2] = tq_h2(qh(x + 2, g), qh(x + 3, g));
+    qa[s][3] = tq_h2(qh(x + 2, g + 8), qh(x + 3, g + 8));
+  }
+}
+
+// One warp's coded sums over a tile's first n16 positions: o[m][h] (16 coordinates x 8
+// heads) += value levels (16 coordinates x 16 positions) . weights (16 positions x 8
+// heads), a k-step of 16 positions at a time. Warp w's coordinates x = 16 (w MT + m) + 2g
+// (row g) and x + 1 (row g + 8), at positions 2t, 2t + 1, 2t + 8, 2t + 9 of each k-step.
+// sp: the weights, fp16, head-major (row stride SPS); svc: the tile's value codes, WV
+// words a position, one word past the last; tv2: pairs of levels (a | b << VB: a, b).
+template <int D, int G, int VB, int WV, int SPS, int MT, int HT>
+__device__ __forceinline__ void tq_value_products(float (*o)[HT][4], const __half* sp, const unsigned* svc,
+                                                  const unsigned* tv2, int n16, int warp, int g, int t) {
+  constexpr unsigned VM = (1u << VB) - 1u;
+  const unsigned* rows = svc + 2 * t * WV;
+  for (int ks = 0; ks < n16; ks += 16, rows += 16 * WV) {
+    unsigned pb[HT][2];
+    #pragma unroll
+    for (int h = 0; h < HT; h++) {
+      const int head = g + 8 * h;
+      const __half* w = sp + head * SPS + ks + 2 * t;
+      pb[h][0] = head < G ? *reinterpret_cast<const unsigned*>(w) : 0u;
+      pb[h][1] = head < G ? *reinterpret_cast<const unsigned*>(w + 8) : 0u;
+    }
+    #pragma unroll
+    for (int m = 0; m < MT; m++) {
+      // Codes of x and x + 1 at each position: 2 VB bits from bit x VB of its row.
+      const int bit = (16 * (warp * MT + m) + 2 * g) * VB, vw = bit >> 5, vs = bit & 31;
+      unsigned v[4];
+      #pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const unsigned* r = rows + ((e & 1) + 8 * (e >> 1)) * WV + vw;
+        v[e] = __funnelshift_r(r[0], r[1], vs);
+      }
+      // a: (x; positions 2t, 2t + 1), (x + 1; same), (x; + 8, + 9), (x + 1; + 8, + 9)
+      const unsigned a[4] = {tv2[(v[0] & VM) | (v[1] & VM) << VB], tv2[(v[0] >> VB & VM) | (v[1] & VM << VB)],
+                             tv2[(v[2] & VM) | (v[3] & VM) << VB], tv2[(v[2] >> VB & VM) | (v[3] & VM << VB)]};
+      #pragma unroll
+      for (int h = 0; h < HT; h++) tq_mma(o[m][h], a, pb[h][0], pb[h][1]);
+    }
+  }
+}
+
 __device__ __forceinline__ void tq_store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void tq_store(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void tq_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
@@ -473,17 +528,7 @@ _STEP = """
   // An mma's k index may stand for any coordinate so long as both operands agree: a
   // lane's key codes are one run of its row (codes RUN * lt + 4s .. + 3 in k-step s).
   unsigned qa[KT][4];
-  {
-    auto qh = [&](int x, int h) { return h < G ? qr[x * GP + h] : 0.0f; };
-    #pragma unroll
-    for (int s = 0; s < KT; s++) {
-      const int x = RUN * lt + 4 * s;
-      qa[s][0] = tq_h2(qh(x, lg), qh(x + 1, lg));
-      qa[s][1] = tq_h2(qh(x, lg + 8), qh(x + 1, lg + 8));
-      qa[s][2] = tq_h2(qh(x + 2, lg), qh(x + 3, lg));
-      qa[s][3] = tq_h2(qh(x + 2, lg + 8), qh(x + 3, lg + 8));
-    }
-  }
+  tq_query_fragments<D, G, GP>(qa, qr, lg, lt);
   float o[MT][HT][4];
   #pragma unroll
   for (int m = 0; m < MT; m++) {
@@ -610,8 +655,8 @@ _STEP = """
       for (int j = from(c0); j < c1; j += K)
         tq_fma4<GP>(ar, sc + (j - t0) * GP, tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0]);
     }
-    // Coded values: warp w's coordinates x = 16 (w MT + m) + 2 lg (row lg) and x + 1
-    // (row lg + 8), at positions 2lt, 2lt + 1, 2lt + 8, 2lt + 9 of each k-step.
+    // MMA: the coded sums onto this tile's maximum (columns: heads 8h + 2lt, + 1), then
+    // the tile's products.
     #pragma unroll
     for (int m = 0; m < MT; m++) {
       #pragma unroll
@@ -623,36 +668,7 @@ _STEP = """
         o[m][h][3] *= fb;
       }
     }
-    if (MMA && c1 > c0) {
-      const unsigned* rows = svc + 2 * lt * WV;  // this lane's positions 2lt + {0, 1, 8, 9} of each k-step
-      for (int ks = 0; ks < n16; ks += 16, rows += 16 * WV) {
-        unsigned pb[HT][2];
-        #pragma unroll
-        for (int h = 0; h < HT; h++) {
-          const int g = lg + 8 * h;
-          const __half* w = sp + g * SPS + ks + 2 * lt;
-          pb[h][0] = g < G ? *reinterpret_cast<const unsigned*>(w) : 0u;
-          pb[h][1] = g < G ? *reinterpret_cast<const unsigned*>(w + 8) : 0u;
-        }
-        #pragma unroll
-        for (int m = 0; m < MT; m++) {
-          // Codes of x and x + 1 at each position: 2 VB bits from bit x VB of its row.
-          const int bit = (16 * (warp * MT + m) + 2 * lg) * VB, vw = bit >> 5, vs = bit & 31;
-          constexpr unsigned VM = (1u << VB) - 1u;
-          unsigned v[4];
-          #pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const unsigned* r = rows + ((e & 1) + 8 * (e >> 1)) * WV + vw;
-            v[e] = __funnelshift_r(r[0], r[1], vs);
-          }
-          // a: (x; positions 2lt, 2lt + 1), (x + 1; same), (x; + 8, + 9), (x + 1; + 8, + 9)
-          const unsigned a[4] = {tv2[(v[0] & VM) | (v[1] & VM) << VB], tv2[(v[0] >> VB & VM) | (v[1] & VM << VB)],
-                                 tv2[(v[2] & VM) | (v[3] & VM) << VB], tv2[(v[2] >> VB & VM) | (v[3] & VM << VB)]};
-          #pragma unroll
-          for (int h = 0; h < HT; h++) tq_mma(o[m][h], a, pb[h][0], pb[h][1]);
-        }
-      }
-    }
+    if (MMA && c1 > c0) tq_value_products<D, G, VB, WV, SPS, MT, HT>(o, sp, svc, tv2, n16, warp, lg, lt);
     __syncthreads();
   }
   // MMA: coded sums (rotated) into qr, head-major (the queries' buffer is free now).
