@@ -282,9 +282,10 @@ def test_encode_kernel_matches_quantize(dim, bits):
                                                ((2, 1), 64, 40000, mx.float32)])  # more chunks than merge threads # fmt: skip
 def test_step_kernel_matches_reference(heads, dim, n, dtype):
     """Many steps (window shifts, chunk splits), kernel vs reference on the same
-    cache state each step: outputs within 2e-3 (the coded positions' products take fp16
-    operands on tensor cores; bf16 models: 2e-2), windows equal."""
-    tol = 2e-2 if dtype == mx.bfloat16 else 2e-3
+    cache state each step: outputs within float32 rounding (2e-4; 2e-3 at D = 128, where
+    the coded positions' products take fp16 operands on tensor cores; bf16: 2e-2),
+    windows equal."""
+    tol = 2e-2 if dtype == mx.bfloat16 else (2e-3 if dim == 128 else 2e-4)
     for t, c, out, want, want_window in kernel_steps(heads, dim, n, 80, dtype):
         err = mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item()
         assert err <= tol * max(1.0, mx.abs(want).max().item()), (t, err)
