@@ -540,6 +540,8 @@ _STEP = """
   // lanes (K = 2 below D = 256), group k takes positions k mod K.
   const int i = tid % D, k = tid / D;
   auto from = [&](int j) { return j + ((k - j) & (K - 1)); };
+  // Coded position j's key codes: the big buffer's row below cb, else its window slot's.
+  auto key_row = [&](int j) { return j < cb ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC; };
   float ar[GP], ap[GP];
   #pragma unroll
   for (int g = 0; g < GP; g++) { ar[g] = 0.0f; ap[g] = 0.0f; }
@@ -568,7 +570,7 @@ _STEP = """
       const int j8 = t0 + 32 * warp + 8 * u;
       if (j8 >= c1 || j8 + 8 <= c0) continue;
       const int jr = min(max(j8 + lg, c0), c1 - 1);
-      const unsigned* row = jr < cb ? kc + (kv * cap + jr - S) * WK : wc + (kv * N + jr - r0) * WC;
+      const unsigned* row = key_row(jr);
       unsigned w[(RUN * KB + 31) / 32];
       tq_span<KB, RUN, WK>(w, row, RUN * lt);
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -598,7 +600,7 @@ _STEP = """
         const long long ks = j == p ? kns : 1;
         for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
       } else if (!MMA) {
-        const unsigned int* row = j < cb ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC;
+        const unsigned int* row = key_row(j);
         // A group of codes fills whole words (32 / gcd(KB, 32) codes): its words in
         // registers, its codes unrolled; the groups are not (registers).
         constexpr int GC = 32 / tq_gcd32(KB), GW = KB / tq_gcd32(KB);
