@@ -5,7 +5,7 @@
 #   (stages: env train eval fusion demo shapes pool pooledits poolprofile small pld pldpolicy throughput
 #    tpdemo batchkernel batchstep tp05 tp7b tpshapes copyprobe batchprofile turboquant tqkernels tqstep tqprobe
 #    stepops bprof8 tqbatch tqfree bpld proj margin tp05edits matrix ncu attn attnprobe attnab tqab ncudetail tp7bwarm tqblocks syncsteps keepbuf tqshared
-#    tp7bfull tprest passsplit tqflash tqstepab)
+#    tp7bfull tprest passsplit tqflash tqstepab tqdecode)
 # Getting MLX there (30 device-minutes a session, a fresh machine costs ~35 s of them): call 1
 # carries .gpu parts aa+ac and copies them to /root/p; call 2, within 30 s, carries part ab,
 # unpacks MLX and runs stages (each call <= 9.5 min; later calls on the warm machine need only
@@ -488,11 +488,19 @@ stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (anot
   step tqsab_probe 240 python3 bench/turboquant_step_probe.py 7b,0.5b 8192,32768 "$TQ_BASELINE"
   local ncu k
   ncu=$(ncu_bin)
-  for k in tq_step_baseline tq_step; do
+  for k in tq_step_baseline "${TQ_KERNEL:-tq_step_mma}"; do
     step "tqsab_ncu_$k" 200 "$ncu" --kernel-name "regex:$k" --launch-skip 40 --launch-count 1 --clock-control none \
       --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
       --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       python3 bench/turboquant_step_probe.py 7b 32768 "$TQ_BASELINE"
+  done
+}
+
+stage_tqdecode() {  # issue 7: decode over TurboQuant against mlx-lm's fp16 cache, one loop and model, sides in turn
+  # (bench/turboquant_decode.py; TQD_SHAPES, TQD_CONTEXTS, TQD_ROUNDS; TQ_BASELINE: a third side, that step kernel)
+  for s in ${TQD_SHAPES:-qwen2.5-7b qwen2.5-0.5b}; do
+    step "tqd_${s}" 300 python3 bench/turboquant_decode.py "$s" "${TQD_CONTEXTS:-1024,8192,32768}" \
+      --rounds "${TQD_ROUNDS:-5}" ${TQ_BASELINE:+--baseline "$TQ_BASELINE"} --out "$R/tqd_${s}.jsonl"
   done
 }
 

@@ -1,0 +1,121 @@
+"""Decode speed over a TurboQuant cache against mlx-lm's fp16 cache: one model, one
+loop, one process.
+
+    python bench/turboquant_decode.py qwen2.5-7b 1024,8192,32768 [--rounds 5] [--tokens 33]
+        [--baseline FILE] [--out results.jsonl]
+
+For each context: one random prompt prefilled into mlx-lm's KVCache (fp16: the model's
+bf16) and into batchgen's TurboQuant cache (4 bits: keys 5, values 3, its default sinks
+and window), then `rounds` rounds of `tokens` greedy steps through mlx-lm's own
+`generate_step` on each side, the sides taking turns so that a machine's drift falls on
+both. Both sides run the same loop and model: the figure is the cache's alone (no
+fusion, no prompt lookup). `--baseline`: a third side, TurboQuant with the step kernel
+of another commit's turboquant_kernels.py.
+
+Prints a JSON line a context: each side's ms a token in each round and their median,
+TurboQuant's decode speed over fp16's (`tq_over_fp16`, from the medians) and each
+cache's bytes after the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from batchgen import turboquant as tq
+from batchgen import turboquant_kernels
+from batchgen.bench import random_model
+
+sys.path.insert(0, "bench")
+from turboquant_attention import baseline_kernels  # noqa: E402
+
+
+def decode_ms(model, cache, token: int, n: int) -> tuple[float, int]:
+    """ms a token over n greedy steps from `token` (the first step's own time left out)."""
+    start, last = None, token
+    for i, (tok, _) in enumerate(generate_step(mx.array([token]), model, max_tokens=n, prompt_cache=cache)):
+        if i == 0:
+            start = time.perf_counter()
+        last = tok
+    return (time.perf_counter() - start) / (n - 1) * 1e3, int(last)
+
+
+def prefilled(model, prompt: mx.array, cache) -> tuple[list, int]:
+    tok, _ = next(generate_step(prompt, model, max_tokens=1, prompt_cache=cache, prefill_step_size=2048))
+    mx.eval([c.state for c in cache])
+    return cache, int(tok)
+
+
+@contextmanager
+def patched(module, attrs: dict):
+    saved = {k: getattr(module, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(module, k, v)
+    turboquant_kernels._step_launch.cache_clear()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+        turboquant_kernels._step_launch.cache_clear()
+
+
+def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline: str | None) -> dict:
+    prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context))
+    sides = {"fp16": (make_prompt_cache(model), {}), "tq": (tq.make_turboquant_cache(model, 4), {})}
+    if baseline:
+        sides["tq_baseline"] = (tq.make_turboquant_cache(model, 4), baseline_kernels(baseline))
+    state = {}
+    for name, (cache, patch) in sides.items():
+        with patched(turboquant_kernels, patch):
+            state[name] = list(prefilled(model, prompt, cache))
+    row = {"context": context, "tokens": tokens,
+           "kv_bytes": {name: sum(c.nbytes for c in cache) for name, (cache, _) in sides.items()}}  # fmt: skip
+    ms = {name: [] for name in sides}
+    for r in range(rounds):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for name in order:
+            cache, patch = sides[name]
+            with patched(turboquant_kernels, patch):
+                t, state[name][1] = decode_ms(model, cache, state[name][1], tokens)
+            ms[name].append(round(t, 3))
+    for name in sides:
+        row[f"{name}_ms"] = ms[name]
+        row[f"{name}_ms_median"] = statistics.median(ms[name])
+    for name in sides:
+        if name != "fp16":
+            row[f"{name}_over_fp16"] = row["fp16_ms_median"] / row[f"{name}_ms_median"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape")
+    ap.add_argument("contexts")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=33)
+    ap.add_argument("--baseline")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    model, config = random_model(a.shape, a.dtype, None, 0)
+    for context in (int(x) for x in a.contexts.split(",")):
+        row = {"shape": a.shape, "device": str(mx.default_device()),
+               **measure(model, config["vocab_size"], context, a.rounds, a.tokens, a.baseline)}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
