@@ -216,10 +216,12 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 #     coordinate i of the probability-weighted values (below D = 256 two threads,
 #     each half the positions), coded ones in the rotated domain, exact ones in
 #     the plain one;
-#   * at D = 128 (`tq_step_mma`) the coded positions run on tensor cores instead
-#     (mma with fp16 codebook levels, rotated queries and weights, float32 sums),
-#     each warp its own 16 positions at a time with its own online softmax, the
-#     weights never leaving registers; the exact positions join at the end;
+#   * at D = 128 the coded positions' two products run on tensor cores instead
+#     (mma with fp16 codebook levels, rotated queries and weights, float32 sums):
+#     a warp scores 32 positions 8 at a time and sums 16 coordinates over the
+#     tile; H200, 7B shape at 32k: 41.3 us a launch against 51.7-53.6 on CUDA
+#     cores, within 6e-5 of the float32 reference (at D = 64, the 0.5B shape, it
+#     was slower: 28 launches at 32k 1.23 ms against 0.84);
 #   * `merge` combines the chunks' (max, sum, two accumulators) per query head
 #     and takes the rotated sum back with the inverse rotation;
 #   * the cache's recent positions live in a small window of slots (exact
@@ -283,6 +285,45 @@ __device__ __forceinline__ void tq_query_fragments(unsigned (*qa)[4], const floa
     qa[s][1] = tq_h2(qh(x, g + 8), qh(x + 1, g + 8));
     qa[s][2] = tq_h2(qh(x + 2, g), qh(x + 3, g));
     qa[s][3] = tq_h2(qh(x + 2, g + 8), qh(x + 3, g + 8));
+  }
+}
+
+// One warp's coded sums over a tile's first n16 positions: o[m][h] (16 coordinates x 8
+// heads) += value levels (16 coordinates x 16 positions) . weights (16 positions x 8
+// heads), a k-step of 16 positions at a time. Warp w's coordinates x = 16 (w MT + m) + 2g
+// (row g) and x + 1 (row g + 8), at positions 2t, 2t + 1, 2t + 8, 2t + 9 of each k-step.
+// sp: the weights, fp16, head-major (row stride SPS); svc: the tile's value codes, WV
+// words a position, one word past the last; tv2: pairs of levels (a | b << VB: a, b).
+template <int D, int G, int VB, int WV, int SPS, int MT, int HT>
+__device__ __forceinline__ void tq_value_products(float (*o)[HT][4], const __half* sp, const unsigned* svc,
+                                                  const unsigned* tv2, int n16, int warp, int g, int t) {
+  constexpr unsigned VM = (1u << VB) - 1u;
+  const unsigned* rows = svc + 2 * t * WV;
+  for (int ks = 0; ks < n16; ks += 16, rows += 16 * WV) {
+    unsigned pb[HT][2];
+    #pragma unroll
+    for (int h = 0; h < HT; h++) {
+      const int head = g + 8 * h;
+      const __half* w = sp + head * SPS + ks + 2 * t;
+      pb[h][0] = head < G ? *reinterpret_cast<const unsigned*>(w) : 0u;
+      pb[h][1] = head < G ? *reinterpret_cast<const unsigned*>(w + 8) : 0u;
+    }
+    #pragma unroll
+    for (int m = 0; m < MT; m++) {
+      // Codes of x and x + 1 at each position: 2 VB bits from bit x VB of its row.
+      const int bit = (16 * (warp * MT + m) + 2 * g) * VB, vw = bit >> 5, vs = bit & 31;
+      unsigned v[4];
+      #pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const unsigned* r = rows + ((e & 1) + 8 * (e >> 1)) * WV + vw;
+        v[e] = __funnelshift_r(r[0], r[1], vs);
+      }
+      // a: (x; positions 2t, 2t + 1), (x + 1; same), (x; + 8, + 9), (x + 1; + 8, + 9)
+      const unsigned a[4] = {tv2[(v[0] & VM) | (v[1] & VM) << VB], tv2[(v[0] >> VB & VM) | (v[1] & VM << VB)],
+                             tv2[(v[2] & VM) | (v[3] & VM) << VB], tv2[(v[2] >> VB & VM) | (v[3] & VM << VB)]};
+      #pragma unroll
+      for (int h = 0; h < HT; h++) tq_mma(o[m][h], a, pb[h][0], pb[h][1]);
+    }
   }
 }
 
@@ -398,8 +439,8 @@ _ENCODE = """
   tq_encode_warp<D, BITS, W>(x + r * D, 1, sign, tab, edge, idx, codes + r * W, scales + r);
 """
 
-_STEP_OPEN = """
-  constexpr int NT = D > 64 ? 256 : 128, NW = NT / 32;
+_STEP = """
+  constexpr int NT = D > 64 ? 256 : 128, NW = NT / 32, TILE = NT;
   constexpr int WK = D * KB / 32, WV = D * VB / 32, WC = WK + WV;
   // books: the rotation's signs, the scale, then each codebook's levels and edges.
   const float* sign = books;
@@ -410,6 +451,7 @@ _STEP_OPEN = """
   const int bk = blockIdx.x / C, c = blockIdx.x % C, b = bk / HKV, hk = bk % HKV;
   const int lo = c * span, hi = min(p + 1, lo + span);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int lg = lane >> 2, lt = lane & 3;  // the mma fragments' lane (group, thread in group)
   const size_t kv = (size_t)bk;
   // q, the new key and value come straight from the model (often transposed views):
   // read through their strides, no copy.
@@ -417,9 +459,23 @@ _STEP_OPEN = """
   const auto* knp = kn + b * kn_strides[0] + hk * kn_strides[1];
   const auto* vnp = vn + b * vn_strides[0] + hk * vn_strides[1];
   const long long kns = kn_strides[3], vns = vn_strides[3];
-  constexpr int GP = (G + 3) / 4 * 4;
-  __shared__ __align__(16) float qp[GP * D], qr[GP * D];
-  __shared__ float fm[G], fl[G], fc[G];
+  // Coded positions' products on tensor cores where they were measured faster (H200:
+  // D = 128, the 7B shape); elsewhere a thread a position (scores) and a lane a
+  // coordinate (values) on CUDA cores. mma tiles: KT k-steps of 16 coordinates, HT
+  // tiles of 8 heads, MT tiles of 16 value coordinates a warp; a warp scores 32
+  // positions of a tile.
+  constexpr bool MMA = D == 128;
+  constexpr int GP = (G + 3) / 4 * 4, K = NT / D, KT = D / 16, HT = (G + 7) / 8, MT = D / 16 / NW;
+  constexpr int RUN = D / 4, SPS = TILE + 8;
+  static_assert(K == 1 || (K == 2 && 2 * D <= TILE), "value groups");
+  static_assert(!MMA || (G <= 16 && MT >= 1 && TILE == 32 * NW), "mma tiles");
+  __shared__ __align__(16) float qp[GP * D], qr[GP * D], sc[GP * TILE];
+  __shared__ float tk[1 << KB], tv[1 << VB];
+  __shared__ unsigned short tkh[MMA ? 1 << KB : 1];
+  __shared__ unsigned tv2[MMA ? 1 << (2 * VB) : 1];
+  __shared__ float fm[G], fl[G], fc[16], sks[MMA ? TILE : 1], svs[TILE];
+  __shared__ unsigned int svc[TILE * WV + 1];  // + 1: an mma lane reads two words from its codes' first
+  __shared__ __half sp[MMA ? G * SPS : 1];
   __shared__ unsigned char eidx[2 * D];
 
   // The window (slot s: exact key, exact value; key then value codes; two scales)
@@ -444,7 +500,7 @@ _STEP_OPEN = """
 
   // Scaled queries of the group, plain and rotated (unnormalised: coded scores take
   // 1 / D), stored coordinate-major with the heads padded to GP: a coordinate's GP
-  // values are GP / 4 float4 loads (one shared-memory load per head was the cost).
+  // values are GP / 4 float4 loads (the exact positions' scores).
   const float qs = books[D];
   for (int t = tid; t < GP * D; t += NT) {
     const int g = t % GP, i = t / GP;
@@ -452,107 +508,99 @@ _STEP_OPEN = """
     qp[t] = x;
     qr[t] = x * sign[i];
   }
+  for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
+  for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
+  if (MMA) {
+    // Levels as the fp16 mma operands hold them; value levels two at a time: entry
+    // a | b << VB is (level a, level b), one load for a coordinate at two positions.
+    for (int t = tid; t < (1 << KB); t += NT) tkh[t] = __half_as_ushort(__float2half_rn(ktab[t]));
+    for (int t = tid; t < (1 << (2 * VB)); t += NT) tv2[t] = tq_h2(vtab[t & ((1 << VB) - 1)], vtab[t >> VB]);
+  }
+  if (tid < 16) fc[tid] = 1.0f;
   if (tid < G) { fm[tid] = -INFINITY; fl[tid] = 0.0f; }
   __syncthreads();
   tq_wht<D>(qr, GP, GP, 1);
-  // Exact position j's key and value rows: the new token's (strided), a sink's, a window slot's.
-  auto exact_key = [&](int j) { return j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D); };
-  auto exact_value = [&](int j, int i) {
-    return static_cast<float>(j == p ? vnp[i * vns] : (j < S ? sv[(kv * SS + j) * D + i] : wx[((kv * N + j - r0) * 2 + 1) * D + i]));
-  };
-  // Coded position j's rows of codes and their scales: the big buffers' below cb, else its window slot's.
-  auto key_row = [&](int j) { return j < cb ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC; };
-  auto value_row = [&](int j) { return j < cb ? vc + (kv * cap + j - S) * WV : wc + (kv * N + j - r0) * WC + WK; };
-  auto key_scale = [&](int j) { return __half2float(j < cb ? kq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2]); };
-  auto value_scale = [&](int j) { return __half2float(j < cb ? vq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2 + 1]); };
-"""
 
-# Online softmax of a tile's scores (sc: n positions x GP heads) into the block's running
-# maxima fm, sums fl and last factors fc, a warp a head; the scores become their weights.
-_STEP_SOFTMAX = """
-    for (int g = warp; g < G; g += NW) {
-      float mt = -INFINITY;
-      for (int t = lane; t < n; t += 32) mt = fmaxf(mt, sc[t * GP + g]);
-      #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
-      const float mo = fm[g], mn = fmaxf(mo, mt);
-      float lt = 0.0f;
-      for (int t = lane; t < n; t += 32) {
-        const float e = expf(sc[t * GP + g] - mn);
-        sc[t * GP + g] = e;
-        lt += e;
-      }
-      #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) lt += __shfl_xor_sync(0xffffffff, lt, o);
-      __syncwarp();
-      if (lane == 0) {
-        const float f = expf(mo - mn);
-        fc[g] = f;
-        fl[g] = fl[g] * f + lt;
-        fm[g] = mn;
-      }
-    }
-"""
-
-# Scores of exact position j (a thread a position) into its row of sc.
-_STEP_EXACT_SCORES = """
-      {
-        const auto* kr = exact_key(j);
-        const long long ks = j == p ? kns : 1;
-        float s[GP];
-        #pragma unroll
-        for (int g = 0; g < GP; g++) s[g] = 0.0f;
-        for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
-        #pragma unroll
-        for (int g = 0; g < GP; g += 4) *reinterpret_cast<float4*>(srow + g) = make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
-      }
-"""
-
-# The block's partial (coded sums, rotated; exact sums; maximum; sum) a head of the group.
-_STEP_CLOSE = """
-  if (tid < D) {
+  // Coded positions on tensor cores (mma m16n8k16: fp16 operands, float32 sums).
+  //   scores (16 heads x 8 positions) = Qr (16 x D) . levels of the keys' codes (D x 8);
+  //   sums (16 coordinates x 8 heads) += levels of the values' codes . P^T (weights
+  //   times the value scales, 0 at exact positions).
+  // An mma's k index may stand for any coordinate so long as both operands agree: a
+  // lane's key codes are one run of its row (codes RUN * lt + 4s .. + 3 in k-step s).
+  unsigned qa[KT][4];
+  tq_query_fragments<D, G, GP>(qa, qr, lg, lt);
+  float o[MT][HT][4];
+  #pragma unroll
+  for (int m = 0; m < MT; m++) {
     #pragma unroll
-    for (int g = 0; g < G; g++) {
-      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 2);
-      o[tid] = CODED_SUM;
-      o[D + tid] = ap[g];
-      if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
-    }
+    for (int h = 0; h < HT; h++) o[m][h][0] = o[m][h][1] = o[m][h][2] = o[m][h][3] = 0.0f;
   }
-"""
 
-# CUDA cores (D = 64, 256): tiles of NT positions in shared memory, a thread a position's
-# scores, then K groups of D lanes a coordinate's sums.
-_STEP = _STEP_OPEN + """
-  constexpr int TILE = NT, K = NT / D;
-  static_assert(K == 1 || (K == 2 && 2 * D <= TILE), "value groups");
-  __shared__ __align__(16) float sc[GP * TILE];
-  __shared__ float tk[1 << KB], tv[1 << VB], svs[TILE];
-  __shared__ unsigned int svc[TILE * WV];
-  for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
-  for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
-  __syncthreads();
-
-  // Values: K groups of D lanes (K = 2 below D = 256), group k takes positions k mod K.
+  // Values on CUDA cores (exact ones always, coded ones without MMA): K groups of D
+  // lanes (K = 2 below D = 256), group k takes positions k mod K.
   const int i = tid % D, k = tid / D;
   auto from = [&](int j) { return j + ((k - j) & (K - 1)); };
+  // Coded position j's key codes: the big buffer's row below cb, else its window slot's.
+  auto key_row = [&](int j) { return j < cb ? kc + (kv * cap + j - S) * WK : wc + (kv * N + j - r0) * WC; };
   float ar[GP], ap[GP];
   #pragma unroll
   for (int g = 0; g < GP; g++) { ar[g] = 0.0f; ap[g] = 0.0f; }
   for (int t0 = lo; t0 < hi; t0 += TILE) {
-    const int t1 = min(hi, t0 + TILE), n = t1 - t0;
+    const int t1 = min(hi, t0 + TILE);
     // The tile's coded values (codes, scales) into shared memory in one coalesced
     // pass: thread i then reads them there, not position after position from memory.
+    // MMA: the key scales too (divided by D), and both scales 0 at exact positions.
     const int c0 = max(t0, S), c1 = min(t1, e0);
-    for (int t = tid; t < (c1 - c0) * WV; t += NT) svc[(c0 - t0) * WV + t] = value_row(c0 + t / WV)[t % WV];
-    for (int j = c0 + tid; j < c1; j += NT) svs[j - t0] = value_scale(j);
+    for (int t = tid; t < (c1 - c0) * WV; t += NT) {
+      const int j = c0 + t / WV, x = t % WV;
+      svc[(j - t0) * WV + x] = j < cb ? vc[(kv * cap + j - S) * WV + x] : wc[(kv * N + j - r0) * WC + WK + x];
+    }
+    for (int j = (MMA ? t0 : c0) + tid; j < (MMA ? t1 : c1); j += NT) {
+      const bool coded = j >= c0 && j < c1, big = j < cb;
+      const size_t r = big ? kv * cap + j - S : (kv * N + j - r0) * 2;
+      if (MMA) sks[j - t0] = coded ? __half2float(big ? kq[r] : wq[r]) * (1.0f / D) : 0.0f;
+      svs[j - t0] = coded ? __half2float(big ? vq[r] : wq[r + 1]) : 0.0f;
+    }
+    if (MMA) __syncthreads();
+    // Coded scores: warp w the positions t0 + 32w .., 8 at a time (lane: position lg's
+    // codes; score columns 2lt, 2lt + 1). Positions outside [c0, c1) read row c0 or
+    // c1 - 1 and are not stored.
+    #pragma unroll
+    for (int u = 0; u < (MMA ? 4 : 0); u++) {
+      const int j8 = t0 + 32 * warp + 8 * u;
+      if (j8 >= c1 || j8 + 8 <= c0) continue;
+      const int jr = min(max(j8 + lg, c0), c1 - 1);
+      const unsigned* row = key_row(jr);
+      unsigned w[(RUN * KB + 31) / 32];
+      tq_span<KB, RUN, WK>(w, row, RUN * lt);
+      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      #pragma unroll
+      for (int s = 0; s < KT; s++) {
+        const unsigned b0 = tkh[tq_code<KB>(w, 4 * s)] | (unsigned)tkh[tq_code<KB>(w, 4 * s + 1)] << 16;
+        const unsigned b1 = tkh[tq_code<KB>(w, 4 * s + 2)] | (unsigned)tkh[tq_code<KB>(w, 4 * s + 3)] << 16;
+        tq_mma(s & 1 ? s1 : s0, qa[s], b0, b1);  // two chains of dependent mma, not one
+      }
+      #pragma unroll
+      for (int e = 0; e < 2; e++) {
+        const int j = j8 + 2 * lt + e;
+        if (j < c0 || j >= c1) continue;
+        const float f = sks[j - t0];
+        if (lg < G) sc[(j - t0) * GP + lg] = (s0[e] + s1[e]) * f;
+        if (lg + 8 < G) sc[(j - t0) * GP + lg + 8] = (s0[2 + e] + s1[2 + e]) * f;
+      }
+    }
+    // Scores on CUDA cores, a thread a position: exact ones, and coded ones without MMA.
     for (int j = t0 + tid; j < t1; j += NT) {
-      float* srow = sc + (j - t0) * GP;
-      if (j < S || j >= e0) """ + _STEP_EXACT_SCORES + """      else {
+      if (MMA && j >= c0 && j < c1) continue;
+      float s[GP];
+      #pragma unroll
+      for (int g = 0; g < GP; g++) s[g] = 0.0f;
+      if (j < S || j >= e0) {
+        const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
+        const long long ks = j == p ? kns : 1;
+        for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
+      } else if (!MMA) {
         const unsigned int* row = key_row(j);
-        float s[GP];
-        #pragma unroll
-        for (int g = 0; g < GP; g++) s[g] = 0.0f;
         // A group of codes fills whole words (32 / gcd(KB, 32) codes): its words in
         // registers, its codes unrolled; the groups are not (registers).
         constexpr int GC = 32 / tq_gcd32(KB), GW = KB / tq_gcd32(KB);
@@ -563,214 +611,97 @@ _STEP = _STEP_OPEN + """
           #pragma unroll
           for (int u = 0; u < GC; u++) tq_fma4<GP>(s, qr + (gi * GC + u) * GP, tk[tq_code<KB>(w, u)]);
         }
-        const float f = key_scale(j) * (1.0f / D);
+        const float f = __half2float(j < cb ? kq[kv * cap + j - S] : wq[(kv * N + j - r0) * 2]) * (1.0f / D);
         #pragma unroll
-        for (int g = 0; g < GP; g += 4) *reinterpret_cast<float4*>(srow + g) = make_float4(s[g] * f, s[g + 1] * f, s[g + 2] * f, s[g + 3] * f);
+        for (int g = 0; g < GP; g++) s[g] *= f;
+      }
+      #pragma unroll
+      for (int g = 0; g < GP; g += 4)
+        *reinterpret_cast<float4*>(sc + (j - t0) * GP + g) = make_float4(s[g], s[g + 1], s[g + 2], s[g + 3]);
+    }
+    __syncthreads();
+    const int n16 = (t1 - t0 + 15) & ~15;  // the value products' positions, whole k-steps
+    for (int g = warp; g < G; g += NW) {  // online softmax, a warp per head
+      float mt = -INFINITY;
+      for (int t = lane; t < t1 - t0; t += 32) mt = fmaxf(mt, sc[t * GP + g]);
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, o));
+      const float mo = fm[g], mn = fmaxf(mo, mt);
+      float ls = 0.0f;
+      for (int t = lane; t < (MMA ? n16 : t1 - t0); t += 32) {
+        const float e = t < t1 - t0 ? expf(sc[t * GP + g] - mn) : 0.0f;
+        if (t < t1 - t0) sc[t * GP + g] = e;
+        if (MMA) sp[g * SPS + t] = __float2half_rn(e * svs[t < t1 - t0 ? t : 0]);
+        ls += e;
+      }
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ls += __shfl_xor_sync(0xffffffff, ls, o);
+      __syncwarp();
+      if (lane == 0) {
+        const float f = expf(mo - mn);
+        fc[g] = f;
+        fl[g] = fl[g] * f + ls;
+        fm[g] = mn;
       }
     }
-    __syncthreads();""" + _STEP_SOFTMAX + """    __syncthreads();
+    __syncthreads();
     #pragma unroll
     for (int g = 0; g < G; g++) { ar[g] *= fc[g]; ap[g] *= fc[g]; }
-    for (int j = from(t0); j < min(t1, S); j += K) tq_fma4<GP>(ap, sc + (j - t0) * GP, exact_value(j, i));
-    for (int j = from(c0); j < c1; j += K)
-      tq_fma4<GP>(ar, sc + (j - t0) * GP, tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0]);
-    for (int j = from(max(t0, max(e0, S))); j < t1; j += K) tq_fma4<GP>(ap, sc + (j - t0) * GP, exact_value(j, i));
-    __syncthreads();
-  }
-  if (K > 1) {  // group 1 hands its sums to group 0 through the score tile (2 * GP * D <= GP * TILE)
-    if (k == 1) {
-      #pragma unroll
-      for (int g = 0; g < G; g++) { sc[g * D + i] = ar[g]; sc[(GP + g) * D + i] = ap[g]; }
+    for (int j = from(t0); j < min(t1, S); j += K)
+      tq_fma4<GP>(ap, sc + (j - t0) * GP, static_cast<float>(sv[(kv * SS + j) * D + i]));
+    for (int j = from(max(t0, max(e0, S))); j < min(t1, p + 1); j += K) {
+      const float x = static_cast<float>(j == p ? vnp[i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
+      tq_fma4<GP>(ap, sc + (j - t0) * GP, x);
     }
-    __syncthreads();
-    if (k == 0) {
-      #pragma unroll
-      for (int g = 0; g < G; g++) { ar[g] += sc[g * D + i]; ap[g] += sc[(GP + g) * D + i]; }
+    if (!MMA) {
+      for (int j = from(c0); j < c1; j += K)
+        tq_fma4<GP>(ar, sc + (j - t0) * GP, tv[tq_code<VB>(svc + (j - t0) * WV, i)] * svs[j - t0]);
     }
-  }
-""" + _STEP_CLOSE.replace("CODED_SUM", "ar[g]")
-
-# Tensor cores (D = 128): each warp its own 16 coded positions at a time, from the chunk's
-# first to its last, FlashAttention-2's way (mma.sync m16n8k16: fp16 operands, float32 sums):
-#   scores S (16 heads x 16 positions) = Qr (16 x D) . levels of the keys' codes (D x 16);
-#   sums O (D coordinates x 16 heads) += levels of the values' codes (D x 16) . P^T,
-# P = exp(S - the warp's running maximum) times the value scales. A lane's score
-# accumulators (heads g, g + 8 at positions 2t, 2t + 1 of each 8) are already its P^T
-# operand, so P never leaves registers and no barrier falls inside the loop; the warps'
-# maxima, sums and O meet once, at the end, then the exact positions join on CUDA cores.
-# An mma's k index may stand for any coordinate so long as both operands agree: a lane's
-# key codes are one run of its row (codes D/4 t + 4s .. + 3 in k-step s), and its value
-# coordinates (rows g, g + 8 of each m-tile) the run D/8 g .. D/8 g + D/8 - 1.
-_STEP_MMA = _STEP_OPEN + """
-  constexpr int KT = D / 16, HT = (G + 7) / 8, MT = D / 16, RUN = D / 4, VRUN = D / 8, PASS = 64;
-  static_assert(G <= 16 && D % 16 == 0, "mma tiles");
-  __shared__ unsigned short tkh[1 << KB];
-  __shared__ unsigned tv2[1 << (2 * VB)];
-  __shared__ float wm[NW][16], wl[NW][16];
-  __shared__ __align__(16) float sc[GP * PASS];
-  // Levels as the fp16 mma operands hold them; value levels two at a time: entry
-  // a | b << VB is (level a, level b), one load for a coordinate at two positions.
-  for (int t = tid; t < (1 << KB); t += NT) tkh[t] = __half_as_ushort(__float2half_rn(ktab[t]));
-  for (int t = tid; t < (1 << (2 * VB)); t += NT) tv2[t] = tq_h2(vtab[t & ((1 << VB) - 1)], vtab[t >> VB]);
-  __syncthreads();
-
-  const int lg = lane >> 2, lt = lane & 3;  // the mma fragments' lane (group, thread in group)
-  const int c0 = max(lo, S), c1 = min(hi, e0);  // the chunk's coded positions
-  unsigned qa[KT][4];
-  tq_query_fragments<D, G, GP>(qa, qr, lg, lt);
-  float o[MT][HT][4];
-  #pragma unroll
-  for (int m = 0; m < MT; m++) {
-    #pragma unroll
-    for (int h = 0; h < HT; h++) o[m][h][0] = o[m][h][1] = o[m][h][2] = o[m][h][3] = 0.0f;
-  }
-  // Running maximum and this lane's part of the sum, heads lg + 8r.
-  float rm[2] = {-INFINITY, -INFINITY}, rl[2] = {0.0f, 0.0f};
-  for (int j16 = c0 + 16 * warp; j16 < c1; j16 += 16 * NW) {
-    // Scores: n-tile n the positions j16 + 8n + lg (columns); past c1, row c1 - 1's.
-    float s[2][4];
-    #pragma unroll
-    for (int n = 0; n < 2; n++) {
-      unsigned w[(RUN * KB + 31) / 32];
-      tq_span<KB, RUN, WK>(w, key_row(min(j16 + 8 * n + lg, c1 - 1)), RUN * lt);
-      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      #pragma unroll
-      for (int k = 0; k < KT; k++) {
-        const unsigned b0 = tkh[tq_code<KB>(w, 4 * k)] | (unsigned)tkh[tq_code<KB>(w, 4 * k + 1)] << 16;
-        const unsigned b1 = tkh[tq_code<KB>(w, 4 * k + 2)] | (unsigned)tkh[tq_code<KB>(w, 4 * k + 3)] << 16;
-        tq_mma(k & 1 ? s1 : s0, qa[k], b0, b1);  // two chains of dependent mma, not one
-      }
-      #pragma unroll
-      for (int e = 0; e < 4; e++) s[n][e] = s0[e] + s1[e];
-    }
-    // This lane's positions j16 + 8n + 2lt + e: scores times the key scales (-inf past
-    // c1), and their value scales (0 past c1).
-    float vs[2][2];
-    #pragma unroll
-    for (int n = 0; n < 2; n++) {
-      #pragma unroll
-      for (int e = 0; e < 2; e++) {
-        const int j = j16 + 8 * n + 2 * lt + e;
-        const bool in = j < c1;
-        const float f = in ? key_scale(j) * (1.0f / D) : 0.0f;
-        vs[n][e] = in ? value_scale(j) : 0.0f;
-        s[n][e] = in ? s[n][e] * f : -INFINITY;
-        s[n][2 + e] = in ? s[n][2 + e] * f : -INFINITY;
-      }
-    }
-    // Online softmax, head lg + 8r: the 16 positions' maximum over the group's 4 lanes
-    // (j16 itself is coded, so it is finite), weights exp(s - maximum) in place.
-    float f[2] = {1.0f, 1.0f};
-    #pragma unroll
-    for (int r = 0; r < HT; r++) {
-      float mt = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
-      mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, 1));
-      mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, 2));
-      const float mn = fmaxf(rm[r], mt);
-      f[r] = expf(rm[r] - mn);
-      rm[r] = mn;
-      float ps = 0.0f;
-      #pragma unroll
-      for (int n = 0; n < 2; n++) {
-        #pragma unroll
-        for (int e = 0; e < 2; e++) {
-          s[n][2 * r + e] = expf(s[n][2 * r + e] - mn);
-          ps += s[n][2 * r + e];
-        }
-      }
-      rl[r] = rl[r] * f[r] + ps;
-    }
-    // O's columns are heads 8h + 2lt, + 1: their factors sit in lanes 8lt, 8lt + 4. Once
-    // the maxima settle (most of a long chunk) no factor moves and the warp skips this.
-    if (__any_sync(0xffffffff, f[0] != 1.0f || f[1] != 1.0f)) {
-      #pragma unroll
-      for (int h = 0; h < HT; h++) {
-        const float fa = __shfl_sync(0xffffffff, f[h], 8 * lt), fb = __shfl_sync(0xffffffff, f[h], 8 * lt + 4);
-        #pragma unroll
-        for (int m = 0; m < MT; m++) {
-          o[m][h][0] *= fa;
-          o[m][h][1] *= fb;
-          o[m][h][2] *= fa;
-          o[m][h][3] *= fb;
-        }
-      }
-    }
-    // P^T as the B operand (k: positions 2lt, 2lt + 1 | 2lt + 8, 2lt + 9; n: head 8h + lg).
-    unsigned pb[HT][2];
-    #pragma unroll
-    for (int h = 0; h < HT; h++) {
-      pb[h][0] = tq_h2(s[0][2 * h] * vs[0][0], s[0][2 * h + 1] * vs[0][1]);
-      pb[h][1] = tq_h2(s[1][2 * h] * vs[1][0], s[1][2 * h + 1] * vs[1][1]);
-    }
-    // Value levels as the A operand: m-tile m's rows lg, lg + 8 are coordinates VRUN lg + 2m,
-    // + 1, at this lane's positions x = 0..3 (j16 + 2lt, + 1, + 8, + 9).
-    unsigned v[4][(VRUN * VB + 31) / 32];
-    #pragma unroll
-    for (int x = 0; x < 4; x++)
-      tq_span<VB, VRUN, WV>(v[x], value_row(min(j16 + 8 * (x >> 1) + 2 * lt + (x & 1), c1 - 1)), VRUN * lg);
+    // MMA: the coded sums onto this tile's maximum (columns: heads 8h + 2lt, + 1), then
+    // the tile's products.
     #pragma unroll
     for (int m = 0; m < MT; m++) {
-      auto pair = [&](int x, int u) { return tv2[tq_code<VB>(v[x], u) | tq_code<VB>(v[x + 1], u) << VB]; };
-      const unsigned a[4] = {pair(0, 2 * m), pair(0, 2 * m + 1), pair(2, 2 * m), pair(2, 2 * m + 1)};
       #pragma unroll
-      for (int h = 0; h < HT; h++) tq_mma(o[m][h], a, pb[h][0], pb[h][1]);
+      for (int h = 0; h < HT; h++) {
+        const float fa = fc[8 * h + 2 * lt], fb = fc[8 * h + 2 * lt + 1];
+        o[m][h][0] *= fa;
+        o[m][h][1] *= fb;
+        o[m][h][2] *= fa;
+        o[m][h][3] *= fb;
+      }
     }
+    if (MMA && c1 > c0) tq_value_products<D, G, VB, WV, SPS, MT, HT>(o, sp, svc, tv2, n16, warp, lg, lt);
+    __syncthreads();
   }
-
-  // The warps meet: each head's maximum over the warps, the sums onto it (fm, fl), and
-  // the coded sums (rotated, head-major) added up in qr, free now.
+  // MMA: coded sums (rotated) into qr, head-major (the queries' buffer is free now).
+  // Group 1's sums through the score tile to group 0 (2 * GP * D <= GP * TILE).
   #pragma unroll
-  for (int r = 0; r < HT; r++) {
-    rl[r] += __shfl_xor_sync(0xffffffff, rl[r], 1);
-    rl[r] += __shfl_xor_sync(0xffffffff, rl[r], 2);
-    if (lt == 0 && lg + 8 * r < G) { wm[warp][lg + 8 * r] = rm[r]; wl[warp][lg + 8 * r] = rl[r]; }
-  }
-  __syncthreads();
-  if (tid < G) {
-    float M = -INFINITY, L = 0.0f;
-    for (int w = 0; w < NW; w++) M = fmaxf(M, wm[w][tid]);
-    for (int w = 0; w < NW; w++) L += wm[w][tid] > -INFINITY ? wl[w][tid] * expf(wm[w][tid] - M) : 0.0f;
-    fm[tid] = M;
-    fl[tid] = L;
-  }
-  for (int t = tid; t < G * D; t += NT) qr[t] = 0.0f;
-  __syncthreads();
-  #pragma unroll
-  for (int h = 0; h < HT; h++) {
+  for (int m = 0; m < (MMA ? MT : 0); m++) {
+    const int x = 16 * (warp * MT + m) + 2 * lg;
     #pragma unroll
-    for (int e = 0; e < 2; e++) {
-      const int g = 8 * h + 2 * lt + e;
-      if (g >= G || !(wm[warp][g] > -INFINITY)) continue;
-      const float f = expf(wm[warp][g] - fm[g]);
+    for (int h = 0; h < HT; h++) {
       #pragma unroll
-      for (int m = 0; m < MT; m++) {
-        atomicAdd(qr + g * D + VRUN * lg + 2 * m, o[m][h][e] * f);
-        atomicAdd(qr + g * D + VRUN * lg + 2 * m + 1, o[m][h][2 + e] * f);
+      for (int e = 0; e < 2; e++) {
+        const int g = 8 * h + 2 * lt + e;
+        if (g < G) { qr[g * D + x] = o[m][h][e]; qr[g * D + x + 1] = o[m][h][2 + e]; }
       }
     }
   }
-  __syncthreads();
-
-  // Exact positions (sinks, then the window's and the new token's), PASS at a time.
-  const int ns = max(0, min(hi, S) - lo), x1 = max(lo, e0), ne = ns + max(0, hi - x1);
-  auto exact = [&](int x) { return x < ns ? lo + x : x1 + x - ns; };
-  float ap[GP];
-  #pragma unroll
-  for (int g = 0; g < GP; g++) ap[g] = 0.0f;
-  for (int x0 = 0; x0 < ne; x0 += PASS) {
-    const int n = min(PASS, ne - x0);
-    if (tid < n) {
-      const int j = exact(x0 + tid);
-      float* srow = sc + tid * GP;""" + _STEP_EXACT_SCORES + """    }
-    __syncthreads();""" + _STEP_SOFTMAX + """    __syncthreads();
-    if (tid < D) {
-      #pragma unroll
-      for (int g = 0; g < G; g++) { ap[g] *= fc[g]; qr[g * D + tid] *= fc[g]; }
-      for (int x = 0; x < n; x++) tq_fma4<GP>(ap, sc + x * GP, exact_value(exact(x0 + x), tid));
-    }
-    __syncthreads();
+  if (K > 1 && k == 1) {
+    #pragma unroll
+    for (int g = 0; g < G; g++) { sc[g * D + i] = ar[g]; sc[(GP + g) * D + i] = ap[g]; }
   }
-""" + _STEP_CLOSE.replace("CODED_SUM", "qr[g * D + tid]")
+  __syncthreads();
+  if (tid < D) {
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 2);
+      o[tid] = MMA ? qr[g * D + tid] : (K > 1 ? ar[g] + sc[g * D + tid] : ar[g]);
+      o[D + tid] = K > 1 ? ap[g] + sc[(GP + g) * D + tid] : ap[g];
+      if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
+    }
+  }
+"""
 
 _MERGE = """
   // A block per (row, head), NT threads: the chunks' maxima and weights first, then
@@ -843,30 +774,17 @@ def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool
 
 
 def _threads(dim: int) -> int:
-    """The step kernel's threads a block (NT): 8 warps from D = 128 (H200, 7B shape at
-    32k: 53.6 us a launch against 62.3-63.5 with 4 warps), 4 at D = 64. The CUDA-core
-    kernel's tiles are NT positions; the chunks are whole tiles either way."""
+    """The step kernel's threads a block (NT), also the positions it scores a tile
+    (TILE): 8 warps from D = 128 (H200, 7B shape at 32k: 53.6 us a launch against
+    62.3-63.5 with 4 warps and 128-position tiles, which D = 64 keeps)."""
     return 256 if dim > 64 else 128
 
 
-def tensor_cores(dim: int) -> bool:
-    """Whether the step takes the tensor-core kernel (`tq_step_mma`, fp16 operands):
-    at D = 128, where it was measured faster on the H200; at D = 64 a tensor-core
-    kernel was slower (0.5B shape at 32k: 1.23 ms for 24 launches against 0.84)."""
-    return dim == 128
-
-
-def step_kernel_name(dim: int) -> str:
-    return "tq_step_mma" if tensor_cores(dim) else "tq_step"
-
-
-_STEP_INPUTS = ["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wx", "wc", "wq", "books", "meta"]
-_STEP_OUTPUTS = ["part", "wx_out", "wc_out", "wq_out"]
 # name -> (input names, output names, body) of the step mode kernels.
 STEP_KERNELS = {
     "tq_encode": (["x", "sign", "tab", "edge"], ["codes", "scales"], _ENCODE),
-    "tq_step": (_STEP_INPUTS, _STEP_OUTPUTS, _STEP),
-    "tq_step_mma": (_STEP_INPUTS, _STEP_OUTPUTS, _STEP_MMA),
+    "tq_step": (["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wx", "wc", "wq", "books", "meta"],
+                ["part", "wx_out", "wc_out", "wq_out"], _STEP),
     "tq_merge": (["part", "books", "meta"], ["out"], _MERGE),
 }  # fmt: skip
 
@@ -875,11 +793,11 @@ STEP_KERNELS = {
 def _step_kernel(name: str, body: Optional[str] = None):
     """One of STEP_KERNELS (`body` replaces its source: benchmarks time variants)."""
     inputs, outputs, source = STEP_KERNELS[name]
-    # The step kernels read q and the new token through their strides; everything else
-    # they take is contiguous by construction (TurboQuantKVCache._enter_step).
+    # tq_step reads q and the new token through their strides; everything else it
+    # takes is contiguous by construction (TurboQuantKVCache._enter_step).
     return mx.fast.cuda_kernel(name=name if body is None else f"{name}_{abs(hash(body))}", input_names=inputs,
                                output_names=outputs, source=body or source, header=_STEP_HEADER,
-                               ensure_row_contiguous=inputs != _STEP_INPUTS)  # fmt: skip
+                               ensure_row_contiguous=name != "tq_step")  # fmt: skip
 
 
 def encode(x: mx.array, sign: mx.array, table: mx.array, edges: mx.array, bits: int):
@@ -947,6 +865,6 @@ def step(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple):
     (out (B, Hq, 1, D) in q's dtype, the window's next arrays)."""
     B, n_heads, _, dim = q.shape
     launch, merge = _step_launch(B, n_heads, dim, new[0].shape[1], bits, window[0].shape[2], chunks, q.dtype)
-    outs = _step_kernel(step_kernel_name(dim))(inputs=[q, *new, *sinks, *coded, *window, books, meta], **launch)
+    outs = _step_kernel("tq_step")(inputs=[q, *new, *sinks, *coded, *window, books, meta], **launch)
     out = _step_kernel("tq_merge")(inputs=[outs[0], books, meta], **merge)[0]
     return out, tuple(outs[1:])

@@ -488,7 +488,7 @@ stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (anot
   step tqsab_probe 240 python3 bench/turboquant_step_probe.py 7b,0.5b 8192,32768 "$TQ_BASELINE"
   local ncu k
   ncu=$(ncu_bin)
-  for k in tq_step_baseline "${TQ_KERNEL:-tq_step_mma}"; do
+  for k in tq_step_baseline tq_step; do
     step "tqsab_ncu_$k" 200 "$ncu" --kernel-name "regex:$k" --launch-skip 40 --launch-count 1 --clock-control none \
       --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
       --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \

@@ -80,10 +80,9 @@ def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, d
 
 
 def baseline_kernels(path: str) -> dict:
-    """What to patch into `turboquant_kernels` to run the step kernel as compiled from
-    the file at `path` (its own body and header, at every head dim; the other kernels as
-    shipped): `_step_kernel`, and `_threads` (its block size; clear `_step_launch`'s
-    cache around the patch)."""
+    """What to patch into `turboquant_kernels` to run `tq_step` as compiled from the file
+    at `path` (its own body and header; the other kernels as shipped): `_step_kernel`,
+    and `_threads` (its block size; clear `_step_launch`'s cache around the patch)."""
     spec = importlib.util.spec_from_file_location("baseline_turboquant_kernels", path)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
@@ -91,8 +90,7 @@ def baseline_kernels(path: str) -> dict:
     kernel = mx.fast.cuda_kernel(name="tq_step_baseline", input_names=inputs, output_names=outputs, source=body,
                                  header=old._STEP_HEADER, ensure_row_contiguous=False)  # fmt: skip
     shipped = turboquant_kernels._step_kernel
-    steps = {"tq_step", "tq_step_mma"}
-    return {"_step_kernel": lambda name, body=None: kernel if name in steps else shipped(name, body),
+    return {"_step_kernel": lambda name, body=None: kernel if name == "tq_step" else shipped(name, body),
             "_threads": old._threads}  # fmt: skip
 
 

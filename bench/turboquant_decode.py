@@ -13,8 +13,9 @@ fusion, no prompt lookup). `--baseline`: a third side, TurboQuant with the step 
 of another commit's turboquant_kernels.py.
 
 Prints a JSON line a context: each side's ms a token in each round and their median,
-TurboQuant's decode speed over fp16's (`tq_over_fp16`, from the medians) and each
-cache's bytes after the prompt.
+TurboQuant's decode speed over fp16's (`tq_over_fp16`, from the medians;
+`tq_over_fp16_paired`, the median of the rounds' own ratios) and each cache's bytes
+after the prompt.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline:
     for name in sides:
         if name != "fp16":
             row[f"{name}_over_fp16"] = row["fp16_ms_median"] / row[f"{name}_ms_median"]
+            # Round by round (the two sides back to back): steadier where the machine drifts.
+            row[f"{name}_over_fp16_paired"] = statistics.median(a / b for a, b in zip(ms["fp16"], ms[name]))
     return row
 
 

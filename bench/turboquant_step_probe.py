@@ -96,7 +96,7 @@ def probe(shape: str, n: int) -> dict:
     q_, new_kv, sinks, coded, window, books, meta, chunks, bits = args
     step_in = [q_, *new_kv, *sinks, *coded, *window, books, meta]
     launch, merge = kernels._step_launch(1, heads, dim, kv_heads, bits, window[0].shape[2], chunks, q_.dtype)
-    step_k, merge_k = kernels._step_kernel(kernels.step_kernel_name(dim)), kernels._step_kernel("tq_merge")
+    step_k, merge_k = kernels._step_kernel("tq_step"), kernels._step_kernel("tq_merge")
     part = step_k(inputs=step_in, **launch)[0]
     mx.eval(part)
     row["step_only_ms"] = timed_ms(lambda: mx.eval([step_k(inputs=step_in, **launch)[0] for _ in range(layers)]))
@@ -111,13 +111,13 @@ def probe(shape: str, n: int) -> dict:
                                                 for _ in range(2 * layers)]))  # fmt: skip
     if BASELINE:  # the same launches through another commit's step kernel
         baseline = baseline_kernels(BASELINE)
-        old, threads = baseline["_step_kernel"](kernels.step_kernel_name(dim)), baseline["_threads"](dim)
+        old, threads = baseline["_step_kernel"]("tq_step"), baseline["_threads"](dim)
         old_launch = dict(launch, grid=(kv_heads * chunks * threads, 1, 1), threadgroup=(threads, 1, 1))
         row["baseline_step_only_ms"] = timed_ms(lambda: mx.eval([old(inputs=step_in, **old_launch)[0]
                                                                  for _ in range(layers)]))  # fmt: skip
     # Host cost of a launch: the step's arguments (inputs, outputs, template) with an
     # empty body, and an empty body with the step's header.
-    names = kernels.STEP_KERNELS[kernels.step_kernel_name(dim)]
+    names = kernels.STEP_KERNELS["tq_step"]
     wide = mx.fast.cuda_kernel(name="probe_wide", input_names=names[0], output_names=names[1],
                                source="if (threadIdx.x == 0) part[0] = 0.0f;", ensure_row_contiguous=False)
     wide_args = dict(launch, grid=(32, 1, 1), threadgroup=(32, 1, 1))

@@ -63,20 +63,20 @@ def step_dtypes(dtype: str) -> dict:
     return {**fixed, **{n: dtype for n in model}}
 
 
-# D = 64 takes the CUDA-core kernel, D = 128 the tensor-core one (the 7B shape's bits, and others).
+# D = 64 takes the CUDA-core products, D = 128 the tensor-core ones (the 7B shape's bits, and others).
 @pytest.mark.parametrize("dim,group,bits,dtype", [(64, 7, (5, 3), "bf16"), (128, 7, (5, 3), "bf16"),
                                                   (128, 8, (4, 2), "f32")])  # fmt: skip
 def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
     kb = bits[0]
     wk = dim * kb // 32
     types = step_dtypes(dtype)
-    # step_chunks splits positions in whole tiles of the CUDA-core kernel: a block's threads, as launched
-    assert "TILE = NT," in K._STEP and "NT = D > 64 ? 256 : 128" in K._STEP_OPEN
+    # step_chunks splits positions in the kernel's tiles: a block's threads, as launched
+    assert "TILE = NT;" in K._STEP and "NT = D > 64 ? 256 : 128" in K._STEP
     assert [K._threads(d) for d in (64, 128, 256)] == [128, 256, 256]
     # The templates the real launches use (turboquant_kernels._step_launch).
     mx_dtype = {"bf16": mx.bfloat16, "f32": mx.float32}[dtype]
     step, merge = K._step_launch(1, 2 * group, dim, 2, bits, 44, 8, mx_dtype)
-    templates = {K.step_kernel_name(dim): step["template"], "tq_merge": merge["template"],
+    templates = {"tq_step": step["template"], "tq_merge": merge["template"],
                  "tq_encode": [("D", dim), ("BITS", kb), ("W", wk)]}  # fmt: skip
     for name, template in templates.items():
         inputs, outputs, body = K.STEP_KERNELS[name]
