@@ -488,8 +488,10 @@ stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (anot
   step tqsab_probe 240 python3 bench/turboquant_step_probe.py 7b,0.5b 8192,32768 "$TQ_BASELINE"
   local ncu k
   ncu=$(ncu_bin)
-  for k in tq_step_baseline tq_step; do
-    step "tqsab_ncu_$k" 200 "$ncu" --kernel-name "regex:$k" --launch-skip 40 --launch-count 1 --clock-control none \
+  for k in baseline shipped; do  # MLX names a kernel after its template: tq_step_baseline_128_.., tq_step_128_..
+    local re=tq_step_baseline
+    [[ $k == shipped ]] && re="tq_step_[0-9]"
+    step "tqsab_ncu_$k" 200 "$ncu" --kernel-name "regex:$re" --launch-skip 40 --launch-count 1 --clock-control none \
       --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats \
       --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       python3 bench/turboquant_step_probe.py 7b 32768 "$TQ_BASELINE"

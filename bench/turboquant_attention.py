@@ -79,19 +79,31 @@ def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, d
     return statistics.median(times)
 
 
-def baseline_kernels(path: str) -> dict:
-    """What to patch into `turboquant_kernels` to run `tq_step` as compiled from the file
-    at `path` (its own body and header; the other kernels as shipped): `_step_kernel`,
-    and `_threads` (its block size; clear `_step_launch`'s cache around the patch)."""
-    spec = importlib.util.spec_from_file_location("baseline_turboquant_kernels", path)
+def baseline_module(path: str, tag: str = "baseline"):
+    """Another commit's turboquant_kernels.py (at `path`) as a module whose step-mode
+    kernels compile under their own names (`tq_step_<tag>`, ...: MLX keeps a compiled
+    kernel by name), so that several versions run in one process."""
+    spec = importlib.util.spec_from_file_location(f"turboquant_kernels_{tag}", path)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
-    inputs, outputs, body = old.STEP_KERNELS["tq_step"]
-    kernel = mx.fast.cuda_kernel(name="tq_step_baseline", input_names=inputs, output_names=outputs, source=body,
-                                 header=old._STEP_HEADER, ensure_row_contiguous=False)  # fmt: skip
-    shipped = turboquant_kernels._step_kernel
-    return {"_step_kernel": lambda name, body=None: kernel if name == "tq_step" else shipped(name, body),
-            "_threads": old._threads}  # fmt: skip
+    made = {}
+
+    def kernel(name: str, body=None):
+        if name not in made:
+            inputs, outputs, source = old.STEP_KERNELS[name]
+            made[name] = mx.fast.cuda_kernel(name=f"{name}_{tag}", input_names=inputs, output_names=outputs,
+                                             source=source, header=old._STEP_HEADER,
+                                             ensure_row_contiguous=name != "tq_step")  # fmt: skip
+        return made[name]
+
+    old._step_kernel = kernel
+    return old
+
+
+def baseline_kernels(path: str) -> dict:
+    """What to patch into `turboquant_kernels` to run a decode step's attention through
+    the file at `path`'s `step` (its own kernels and launches)."""
+    return {"step": baseline_module(path).step}
 
 
 PATHS = {"ops": (False, False), "fused": (True, False), "step": (True, True)}  # (FUSED_KERNELS, STEP_KERNEL)
@@ -116,10 +128,8 @@ def measure(shape: str, n: int, steps: int, dtype, step_blocks: tuple = (), path
         with patched(turboquant_kernels, STEP_BLOCKS=blocks):
             row[f"tq_step_{blocks}_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
     if baseline is not None:
-        turboquant_kernels._step_launch.cache_clear()
         with patched(turboquant_kernels, **baseline):
             row["tq_step_baseline_ms"] = step_s(caches, "tq", heads, kv_heads, dim, steps, dtype) * 1e3
-        turboquant_kernels._step_launch.cache_clear()
     row["step_kv_bytes"] = sum(c.nbytes for c in caches)
     return row
 

@@ -9,8 +9,8 @@ bf16) and into batchgen's TurboQuant cache (4 bits: keys 5, values 3, its defaul
 and window), then `rounds` rounds of `tokens` greedy steps through mlx-lm's own
 `generate_step` on each side, the sides taking turns so that a machine's drift falls on
 both. Both sides run the same loop and model: the figure is the cache's alone (no
-fusion, no prompt lookup). `--baseline`: a third side, TurboQuant with the step kernel
-of another commit's turboquant_kernels.py.
+fusion, no prompt lookup). `--baseline`: a third side, TurboQuant with the step
+(kernels and launches) of another commit's turboquant_kernels.py.
 
 Prints a JSON line a context: each side's ms a token in each round and their median,
 TurboQuant's decode speed over fp16's (`tq_over_fp16`, from the medians;
@@ -60,13 +60,11 @@ def patched(module, attrs: dict):
     saved = {k: getattr(module, k) for k in attrs}
     for k, v in attrs.items():
         setattr(module, k, v)
-    turboquant_kernels._step_launch.cache_clear()
     try:
         yield
     finally:
         for k, v in saved.items():
             setattr(module, k, v)
-        turboquant_kernels._step_launch.cache_clear()
 
 
 def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline: str | None) -> dict:

@@ -6,8 +6,8 @@ Per row (ms, median; each figure includes its mx.eval): `full` = every layer's
 update_and_fetch + attention; `kernels` = the step and merge kernels alone, as many
 launches as layers, over one layer's captured arguments (no cache bookkeeping);
 `step_only` / `merge_only` = one of the two, as many launches as layers (a third
-argument, another commit's turboquant_kernels.py: `baseline_step_only` its step
-kernel on the same chunks, at its own block size); `empty` = as
+argument, another commit's turboquant_kernels.py: `baseline_kernels` its `step`, its
+kernels and launches, on the same arguments as `kernels`); `empty` = as
 many launches of a custom kernel that writes one float as the step launches (two a
 layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.fast
 attention over an fp16 cache of the same context, every layer; `empty_step_args` /
@@ -28,9 +28,9 @@ import mlx.core as mx
 from batchgen import turboquant_kernels as kernels
 
 sys.path.insert(0, "bench")
-from turboquant_attention import SHAPES, baseline_kernels, filled_turboquant  # noqa: E402
+from turboquant_attention import SHAPES, baseline_module, filled_turboquant  # noqa: E402
 
-BASELINE = None  # a turboquant_kernels.py (argv[3]): its tq_step timed on the same launches
+BASELINE = None  # a turboquant_kernels.py (argv[3]): its step timed on the same arguments
 
 
 def timed_ms(fn, n: int = 30) -> float:
@@ -109,12 +109,9 @@ def probe(shape: str, n: int) -> dict:
     row["empty_ms"] = timed_ms(lambda: mx.eval([empty(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                                                       output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
                                                 for _ in range(2 * layers)]))  # fmt: skip
-    if BASELINE:  # the same launches through another commit's step kernel
-        baseline = baseline_kernels(BASELINE)
-        old, threads = baseline["_step_kernel"]("tq_step"), baseline["_threads"](dim)
-        old_launch = dict(launch, grid=(kv_heads * chunks * threads, 1, 1), threadgroup=(threads, 1, 1))
-        row["baseline_step_only_ms"] = timed_ms(lambda: mx.eval([old(inputs=step_in, **old_launch)[0]
-                                                                 for _ in range(layers)]))  # fmt: skip
+    if BASELINE:  # the same arguments through another commit's step
+        old = baseline_module(BASELINE)
+        row["baseline_kernels_ms"] = timed_ms(lambda: mx.eval([old.step(*args)[0] for _ in range(layers)]))
     # Host cost of a launch: the step's arguments (inputs, outputs, template) with an
     # empty body, and an empty body with the step's header.
     names = kernels.STEP_KERNELS["tq_step"]
