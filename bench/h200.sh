@@ -499,7 +499,7 @@ stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (anot
 }
 
 stage_tqdecode() {  # issue 7: decode over TurboQuant against mlx-lm's fp16 cache, one loop and model, sides in turn
-  # (bench/turboquant_decode.py; TQD_SHAPES, TQD_CONTEXTS, TQD_ROUNDS; TQ_BASELINE: a third side, that step kernel)
+  # (bench/turboquant_decode.py; TQD_SHAPES, TQD_CONTEXTS, TQD_ROUNDS; TQ_BASELINE: a third side, that file's step)
   for s in ${TQD_SHAPES:-qwen2.5-7b qwen2.5-0.5b}; do
     step "tqd_${s}" 300 python3 bench/turboquant_decode.py "$s" "${TQD_CONTEXTS:-1024,8192,32768}" \
       --rounds "${TQD_ROUNDS:-5}" ${TQ_BASELINE:+--baseline "$TQ_BASELINE"} --out "$R/tqd_${s}.jsonl"

@@ -25,7 +25,6 @@ import json
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -36,6 +35,7 @@ from batchgen import turboquant_kernels
 from batchgen.bench import random_model
 
 sys.path.insert(0, "bench")
+from projection_probe import patched  # noqa: E402
 from turboquant_attention import baseline_kernels  # noqa: E402
 
 
@@ -55,18 +55,6 @@ def prefilled(model, prompt: mx.array, cache) -> tuple[list, int]:
     return cache, int(tok)
 
 
-@contextmanager
-def patched(module, attrs: dict):
-    saved = {k: getattr(module, k) for k in attrs}
-    for k, v in attrs.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(module, k, v)
-
-
 def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline: str | None) -> dict:
     prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context))
     sides = {"fp16": (make_prompt_cache(model), {}), "tq": (tq.make_turboquant_cache(model, 4), {})}
@@ -74,7 +62,7 @@ def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline:
         sides["tq_baseline"] = (tq.make_turboquant_cache(model, 4), baseline_kernels(baseline))
     state = {}
     for name, (cache, patch) in sides.items():
-        with patched(turboquant_kernels, patch):
+        with patched(turboquant_kernels, **patch):
             state[name] = list(prefilled(model, prompt, cache))
     row = {"context": context, "tokens": tokens,
            "kv_bytes": {name: sum(c.nbytes for c in cache) for name, (cache, _) in sides.items()}}  # fmt: skip
@@ -83,7 +71,7 @@ def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline:
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
             cache, patch = sides[name]
-            with patched(turboquant_kernels, patch):
+            with patched(turboquant_kernels, **patch):
                 t, state[name][1] = decode_ms(model, cache, state[name][1], tokens)
             ms[name].append(round(t, 3))
     for name in sides:
