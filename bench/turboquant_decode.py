@@ -49,10 +49,11 @@ def decode_ms(model, cache, token: int, n: int) -> tuple[float, int]:
     return (time.perf_counter() - start) / (n - 1) * 1e3, int(last)
 
 
-def prefilled(model, prompt: mx.array, cache) -> tuple[list, int]:
+def prefilled(model, prompt: mx.array, cache) -> int:
+    """The prompt into `cache`; its next token."""
     tok, _ = next(generate_step(prompt, model, max_tokens=1, prompt_cache=cache, prefill_step_size=2048))
     mx.eval([c.state for c in cache])
-    return cache, int(tok)
+    return int(tok)
 
 
 def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline: str | None) -> dict:
@@ -60,10 +61,10 @@ def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline:
     sides = {"fp16": (make_prompt_cache(model), {}), "tq": (tq.make_turboquant_cache(model, 4), {})}
     if baseline:
         sides["tq_baseline"] = (tq.make_turboquant_cache(model, 4), baseline_kernels(baseline))
-    state = {}
+    last = {}  # each side's last token
     for name, (cache, patch) in sides.items():
         with patched(turboquant_kernels, **patch):
-            state[name] = list(prefilled(model, prompt, cache))
+            last[name] = prefilled(model, prompt, cache)
     row = {"context": context, "tokens": tokens,
            "kv_bytes": {name: sum(c.nbytes for c in cache) for name, (cache, _) in sides.items()}}  # fmt: skip
     ms = {name: [] for name in sides}
@@ -72,7 +73,7 @@ def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline:
         for name in order:
             cache, patch = sides[name]
             with patched(turboquant_kernels, **patch):
-                t, state[name][1] = decode_ms(model, cache, state[name][1], tokens)
+                t, last[name] = decode_ms(model, cache, last[name], tokens)
             ms[name].append(round(t, 3))
     for name in sides:
         row[f"{name}_ms"] = ms[name]
