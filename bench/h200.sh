@@ -480,7 +480,7 @@ stage_tqflash() {  # issue 8: TurboQuant rows' prompt passes with cuDNN (FLASH_M
 }
 
 stage_tqstepab() {  # issue 7: the one-job step kernel against TQ_BASELINE (another commit's turboquant_kernels.py):
-  # its CUDA test and error against the reference, the probe (step kernel alone, both, as many launches as layers),
+  # its CUDA test and error against the reference, the probe (each version's step alone, as many calls as layers),
   # then Nsight Compute of one launch of each at the 7B shape and 32k positions (duration, IPC, occupancy, stalls)
   : "${TQ_BASELINE:?tqstepab needs TQ_BASELINE (an older turboquant_kernels.py)}"
   step tqsab_test 200 python3 -m pytest -q -p no:cacheprovider tests/test_turboquant_step.py -k step_kernel || return 1

@@ -79,6 +79,14 @@ def step_s(caches, kind: str, heads: int, kv_heads: int, dim: int, steps: int, d
     return statistics.median(times)
 
 
+def step_arguments(run) -> tuple:
+    """The arguments of the first `turboquant_kernels.step` call that `run()` makes."""
+    captured, real = [], turboquant_kernels.step
+    with patched(turboquant_kernels, step=lambda *a: captured.append(a) or real(*a)):
+        run()
+    return captured[0]
+
+
 def baseline_module(path: str, tag: str = "baseline"):
     """Another commit's turboquant_kernels.py (at `path`) as a module whose step-mode
     kernels compile under their own names (`tq_step_<tag>`, ...: MLX keeps a compiled

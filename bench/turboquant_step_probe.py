@@ -28,7 +28,7 @@ import mlx.core as mx
 from batchgen import turboquant_kernels as kernels
 
 sys.path.insert(0, "bench")
-from turboquant_attention import SHAPES, baseline_module, filled_turboquant  # noqa: E402
+from turboquant_attention import SHAPES, baseline_module, filled_turboquant, step_arguments  # noqa: E402
 
 BASELINE = None  # a turboquant_kernels.py (argv[3]): its step timed on the same arguments
 
@@ -73,13 +73,7 @@ def probe(shape: str, n: int) -> dict:
         mx.eval(outs)
 
     row = {"shape": shape, "context": n, "full_ms": timed_ms(full)}
-    captured, real = [], kernels.step
-    kernels.step = lambda *a: captured.append(a) or real(*a)
-    try:
-        full()
-    finally:
-        kernels.step = real
-    args = captured[0]
+    args, real = step_arguments(full), kernels.step
     row["kernels_ms"] = timed_ms(lambda: mx.eval([real(*args)[0] for _ in range(layers)]))
     # Host time alone: building the graph, evaluated after the clock stops.
     row["full_build_ms"] = build_ms(lambda: [(c.update_and_fetch(k, k), c.attention(q, dim**-0.5))[1] for c in caches])

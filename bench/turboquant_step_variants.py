@@ -23,7 +23,7 @@ import mlx.core as mx
 from batchgen import turboquant_kernels as kernels
 
 sys.path.insert(0, "bench")
-from turboquant_attention import SHAPES, baseline_module, filled_turboquant  # noqa: E402
+from turboquant_attention import SHAPES, baseline_module, filled_turboquant, step_arguments  # noqa: E402
 
 ROUNDS = 7
 
@@ -34,14 +34,8 @@ def captured_step(shape: str, n: int) -> tuple:
     cache = filled_turboquant(1, n, kv_heads, dim, mx.bfloat16)[0]
     q = mx.random.normal((1, heads, 1, dim)).astype(mx.bfloat16)
     k = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)
-    captured, real = [], kernels.step
-    kernels.step = lambda *a: captured.append(a) or real(*a)
-    try:
-        cache.update_and_fetch(k, k)
-        mx.eval(cache.attention(q, dim**-0.5))
-    finally:
-        kernels.step = real
-    return layers, captured[0]
+    cache.update_and_fetch(k, k)
+    return layers, step_arguments(lambda: mx.eval(cache.attention(q, dim**-0.5)))
 
 
 def main() -> None:
