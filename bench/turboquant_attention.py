@@ -34,6 +34,7 @@ from projection_probe import patched  # noqa: E402
 
 SHAPES = {  # layers, query heads, kv heads, head dim (Qwen2.5)
     "0.5b": (24, 14, 2, 64),
+    "1.5b": (28, 12, 2, 128),
     "7b": (28, 28, 4, 128),
 }
 
