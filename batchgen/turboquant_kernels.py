@@ -208,7 +208,7 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 # The kernels above serve the ops path one piece at a time; a decode step there
 # is still dozens of small ops per layer (encode the new token, sinks, window,
 # masks, softmax, rotations), which bound it on a GPU at every context length.
-# `step` is the step's whole attention in one kernel plus a small merge:
+# `step` is the step's whole attention in one kernel:
 #   * block (row, kv head, chunk c) takes positions [c * span, (c + 1) * span),
 #     TILE at a time: scores of the group's G query heads into shared memory
 #     (exact positions against the scaled query, coded ones against the rotated
@@ -221,9 +221,14 @@ def values(p: mx.array, codes: mx.array, table: mx.array, bits: int, dim: int) -
 #     a warp scores 32 positions 8 at a time and sums 16 coordinates over the
 #     tile; H200, 7B shape at 32k: 41.3 us a launch against 51.7-53.6 on CUDA
 #     cores, within 6e-5 of the float32 reference (at D = 64, the 0.5B shape, it
-#     was slower: 28 launches at 32k 1.23 ms against 0.84);
-#   * `merge` combines the chunks' (max, sum, two accumulators) per query head
-#     and takes the rotated sum back with the inverse rotation;
+#     was slower: 28 launches at 32k 1.23 ms against 0.84); key levels two at a
+#     time (one 2 KB-bit field, one load of an fp16 pair) and value codes staged
+#     16 bytes a load: 18% fewer instructions, 39.0 us against 40.9;
+#   * the block that finishes a (row, kv head) last (a counter the kernel keeps
+#     and resets) combines its chunks' (max, sum, two accumulators) per query head
+#     and takes the rotated sum back with the inverse rotation: no second launch
+#     (28 steps, H200: 7B at 8k 1.54 ms against 1.78 with a merge kernel, 32k
+#     2.00 against 2.25; 0.5B at 32k 1.49 against 1.68);
 #   * the cache's recent positions live in a small window of slots (exact
 #     vectors and their codes) that the blocks copy forward (slot s by chunk
 #     s mod C) with the new token in its slot, encoded there by two warps with
@@ -349,6 +354,69 @@ __device__ __forceinline__ void tq_wht(float* x, int count, int estride = 1, int
   }
 }
 
+// The step's merge, by the block that finishes a (row, kv head) last: the C <= NT
+// chunks' partials (pb: G heads x C chunks x E floats: coded sums, rotated; exact sums;
+// maximum; sum; E = 2D + 4, so rows start 16-byte aligned), written by other blocks and so
+// read from L2 (__ldcg), into the G heads' outputs. A warp a head takes every chunk's
+// (maximum, sum) in one pass, then the chunks' weights exp(m_c - M) (w: G x C) and the
+// total; every thread then sums a float4 column of a head's coded or exact sums over the
+// chunks (many loads in flight, not a chain); the coded sums go back through the inverse
+// rotation (H, then the signs and 1 / D). ys, as: G x D; ls: G.
+template <int D, int G, int NT, typename T>
+__device__ __forceinline__ void tq_merge_chunks(const float* pb, int C, const float* sign, T* out, float* w,
+                                                float* ys, float* as, float* ls) {
+  constexpr int E = 2 * D + 4, NW = NT / 32, Q = D / 4;
+  const int tid = threadIdx.x, lane = tid & 31;
+  for (int g = tid >> 5; g < G; g += NW) {
+    const float* ph = pb + (size_t)g * C * E + 2 * D;
+    float2 ml[NT / 32];
+    float m = -INFINITY;
+    #pragma unroll
+    for (int k = 0; k < NT / 32; k++) {
+      const int c = lane + 32 * k;
+      ml[k] = c < C ? __ldcg(reinterpret_cast<const float2*>(ph + (size_t)c * E)) : make_float2(-INFINITY, 0.0f);
+      m = fmaxf(m, ml[k].x);
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    float l = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < NT / 32; k++) {
+      const int c = lane + 32 * k;
+      if (c < C) {
+        const float f = expf(ml[k].x - m);
+        w[g * C + c] = f;
+        l += ml[k].y * f;
+      }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffff, l, o);
+    if (lane == 0) ls[g] = l;
+  }
+  __syncthreads();
+  // Column x of head g: x < Q the coded sums' coordinates 4x .. 4x + 3, else the exact
+  // sums' 4(x - Q) ..: either way floats 4x .. 4x + 3 of the chunk's row.
+  for (int t = tid; t < 2 * G * Q; t += NT) {
+    const int g = t / (2 * Q), x = t % (2 * Q);
+    const float* ph = pb + (size_t)g * C * E + 4 * x;
+    const float* wg = w + g * C;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    #pragma unroll 8
+    for (int c = 0; c < C; c++) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(ph + (size_t)c * E));
+      const float f = wg[c];
+      a.x += v.x * f;
+      a.y += v.y * f;
+      a.z += v.z * f;
+      a.w += v.w * f;
+    }
+    *reinterpret_cast<float4*>(x < Q ? ys + g * D + 4 * x : as + g * D + 4 * (x - Q)) = a;
+  }
+  __syncthreads();
+  tq_wht<D>(ys, G);
+  for (int t = tid; t < G * D; t += NT) tq_store(out + t, (as[t] + ys[t] * sign[t % D] * (1.0f / D)) / ls[t / D]);
+}
+
 // acc[g] += w[g] * x for the GP (a multiple of 4) values at w, 16-byte aligned
 // shared memory: float4 loads.
 template <int GP>
@@ -471,10 +539,10 @@ _STEP = """
   static_assert(!MMA || (G <= 16 && MT >= 1 && TILE == 32 * NW), "mma tiles");
   __shared__ __align__(16) float qp[GP * D], qr[GP * D], sc[GP * TILE];
   __shared__ float tk[1 << KB], tv[1 << VB];
-  __shared__ unsigned short tkh[MMA ? 1 << KB : 1];
+  __shared__ unsigned tk2[MMA ? 1 << (2 * KB) : 1];
   __shared__ unsigned tv2[MMA ? 1 << (2 * VB) : 1];
   __shared__ float fm[G], fl[G], fc[16], sks[MMA ? TILE : 1], svs[TILE];
-  __shared__ unsigned int svc[TILE * WV + 1];  // + 1: an mma lane reads two words from its codes' first
+  __shared__ __align__(16) unsigned int svc[TILE * WV + 1];  // + 1: an mma lane reads two words from its codes' first
   __shared__ __half sp[MMA ? G * SPS : 1];
   __shared__ unsigned char eidx[2 * D];
 
@@ -513,7 +581,7 @@ _STEP = """
   if (MMA) {
     // Levels as the fp16 mma operands hold them; value levels two at a time: entry
     // a | b << VB is (level a, level b), one load for a coordinate at two positions.
-    for (int t = tid; t < (1 << KB); t += NT) tkh[t] = __half_as_ushort(__float2half_rn(ktab[t]));
+    for (int t = tid; t < (1 << (2 * KB)); t += NT) tk2[t] = tq_h2(ktab[t & ((1 << KB) - 1)], ktab[t >> KB]);
     for (int t = tid; t < (1 << (2 * VB)); t += NT) tv2[t] = tq_h2(vtab[t & ((1 << VB) - 1)], vtab[t >> VB]);
   }
   if (tid < 16) fc[tid] = 1.0f;
@@ -551,9 +619,16 @@ _STEP = """
     // pass: thread i then reads them there, not position after position from memory.
     // MMA: the key scales too (divided by D), and both scales 0 at exact positions.
     const int c0 = max(t0, S), c1 = min(t1, e0);
-    for (int t = tid; t < (c1 - c0) * WV; t += NT) {
-      const int j = c0 + t / WV, x = t % WV;
-      svc[(j - t0) * WV + x] = j < cb ? vc[(kv * cap + j - S) * WV + x] : wc[(kv * N + j - r0) * WC + WK + x];
+    // 16 bytes a load where every row starts 16-byte aligned (D = 128: WV, WK, WC
+    // multiples of 4 words).
+    constexpr int VW = WV % 4 == 0 && WK % 4 == 0 ? 4 : 1;
+    #pragma unroll 1
+    for (int t = tid; t < (c1 - c0) * (WV / VW); t += NT) {
+      const int j = c0 + t / (WV / VW), x = VW * (t % (WV / VW));
+      const unsigned* r = (j < cb ? vc + (kv * cap + j - S) * WV : wc + (kv * N + j - r0) * WC + WK) + x;
+      unsigned* d = svc + (j - t0) * WV + x;
+      if (VW == 4) *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(r);
+      else *d = *r;
     }
     for (int j = (MMA ? t0 : c0) + tid; j < (MMA ? t1 : c1); j += NT) {
       const bool coded = j >= c0 && j < c1, big = j < cb;
@@ -576,8 +651,7 @@ _STEP = """
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       #pragma unroll
       for (int s = 0; s < KT; s++) {
-        const unsigned b0 = tkh[tq_code<KB>(w, 4 * s)] | (unsigned)tkh[tq_code<KB>(w, 4 * s + 1)] << 16;
-        const unsigned b1 = tkh[tq_code<KB>(w, 4 * s + 2)] | (unsigned)tkh[tq_code<KB>(w, 4 * s + 3)] << 16;
+        const unsigned b0 = tk2[tq_bits<2 * KB>(w, 4 * s * KB)], b1 = tk2[tq_bits<2 * KB>(w, (4 * s + 2) * KB)];
         tq_mma(s & 1 ? s1 : s0, qa[s], b0, b1);  // two chains of dependent mma, not one
       }
       #pragma unroll
@@ -695,69 +769,34 @@ _STEP = """
   if (tid < D) {
     #pragma unroll
     for (int g = 0; g < G; g++) {
-      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 2);
+      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 4);
       o[tid] = MMA ? qr[g * D + tid] : (K > 1 ? ar[g] + sc[g * D + tid] : ar[g]);
       o[D + tid] = K > 1 ? ap[g] + sc[(GP + g) * D + tid] : ap[g];
       if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
     }
   }
-"""
-
-_MERGE = """
-  // A block per (row, head), NT threads: the chunks' maxima and weights first, then
-  // K = NT / D groups of D lanes each sum every K-th chunk. (One lane per output
-  // coordinate walking all C chunks was a chain of 2C dependent loads: at 32k
-  // positions C is 256 and that chain, not the step kernel, set the time.)
-  constexpr int K = NT / D, NW = NT / 32, E = 2 * D + 2;
-  __shared__ float w[MAXC], red[NW], ys[K * D], as[K * D];
-  const int bh = blockIdx.x, tid = threadIdx.x, lane = tid & 31, C = meta[5];
-  const float* pb = part + (size_t)bh * C * E;
-  float m = -INFINITY;
-  for (int c = tid; c < C; c += NT) m = fmaxf(m, pb[(size_t)c * E + 2 * D]);
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-  if (lane == 0) red[tid >> 5] = m;
-  __syncthreads();
-  float M = red[0];
-  #pragma unroll
-  for (int x = 1; x < NW; x++) M = fmaxf(M, red[x]);
-  __syncthreads();
-  float l = 0.0f;
-  for (int c = tid; c < C; c += NT) {
-    const float f = expf(pb[(size_t)c * E + 2 * D] - M);
-    w[c] = f;
-    l += pb[(size_t)c * E + 2 * D + 1] * f;
+  // The block that finishes this (row, kv head) last merges its chunks, so the step is
+  // one launch. Each block's partial is made visible, then counted in `count`, an input
+  // the kernel writes: the last block sets it back to 0, as the next launch must find it.
+  {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      unsigned* n = const_cast<unsigned*>(count) + bk;
+      last = atomicAdd(n, 1u) == (unsigned)(C - 1);
+      if (last) *n = 0u;
+    }
+    __syncthreads();
+    if (last) {
+      __threadfence();
+      const size_t h0 = (size_t)b * HKV * G + hk * G;  // the group's first query head
+      tq_merge_chunks<D, G, NT>(part + h0 * C * (2 * D + 4), C, sign, out + h0 * D, sc, qr, qp, fl);
+    }
   }
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffff, l, o);
-  if (lane == 0) red[tid >> 5] = l;
-  __syncthreads();
-  float L = 0.0f;
-  #pragma unroll
-  for (int x = 0; x < NW; x++) L += red[x];
-  const int i = tid % D, k = tid / D;
-  float r = 0.0f, a = 0.0f;
-  #pragma unroll 4
-  for (int c = k; c < C; c += K) {
-    const float* pc = pb + (size_t)c * E;
-    r += pc[i] * w[c];
-    a += pc[D + i] * w[c];
-  }
-  ys[tid] = r;
-  as[tid] = a;
-  __syncthreads();
-  if (k == 0) {
-    #pragma unroll
-    for (int x = 1; x < K; x++) { r += ys[x * D + i]; a += as[x * D + i]; }
-    ys[i] = r;
-  }
-  __syncthreads();
-  tq_wht<D>(ys, 1);
-  if (k == 0) tq_store(out + (size_t)bh * D + i, (a + ys[i] * books[i] * (1.0f / D)) / L);
 """
 
 STEP_BLOCKS = 512  # blocks aimed at per step and layer (of 128 or 256 threads, 56-96 registers a thread)
-MERGE_THREADS = 512
 
 
 def encode_supported(dim: int) -> bool:
@@ -783,9 +822,8 @@ def _threads(dim: int) -> int:
 # name -> (input names, output names, body) of the step mode kernels.
 STEP_KERNELS = {
     "tq_encode": (["x", "sign", "tab", "edge"], ["codes", "scales"], _ENCODE),
-    "tq_step": (["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wx", "wc", "wq", "books", "meta"],
-                ["part", "wx_out", "wc_out", "wq_out"], _STEP),
-    "tq_merge": (["part", "books", "meta"], ["out"], _MERGE),
+    "tq_step": (["q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wx", "wc", "wq", "books", "meta", "count"],
+                ["out", "part", "wx_out", "wc_out", "wq_out"], _STEP),
 }  # fmt: skip
 
 
@@ -818,10 +856,12 @@ def encode(x: mx.array, sign: mx.array, table: mx.array, edges: mx.array, bits: 
 
 def step_chunks(positions: int, rows: int, dim: int) -> tuple:
     """(chunks, span): positions split into chunks of whole tiles (`_threads(dim)`
-    positions), about STEP_BLOCKS blocks over `rows` (batch x kv heads)."""
+    positions), about STEP_BLOCKS blocks over `rows` (batch x kv heads), and at most
+    a tile's worth of chunks a row (the merge: a lane a chunk per warp pass, NT / 32
+    passes; a weight a head and chunk in the score tile)."""
     tile = _threads(dim)
     tiles = -(-positions // tile)
-    per = max(1, -(-tiles * rows // STEP_BLOCKS))
+    per = max(1, -(-tiles * rows // STEP_BLOCKS), -(-tiles // tile))
     span = per * tile
     return -(-positions // span), span
 
@@ -837,7 +877,7 @@ def step_books(signs, key_levels, key_edges, value_levels, value_edges, scale: f
 @lru_cache(maxsize=256)
 def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slots: int, chunks: int,
                  dtype) -> tuple:  # fmt: skip
-    """The two kernels' keyword arguments besides inputs (made once per shape). A
+    """The step kernel's keyword arguments besides inputs (made once per shape). A
     decode step of a small model is bound by host work per launch, which grows with
     the launch's arguments: hence few inputs, outputs and template constants."""
     (kb, vb), threads = bits, _threads(dim)
@@ -846,14 +886,21 @@ def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slo
         template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb)],
         grid=(B * kv_heads * chunks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(B * n_heads, chunks, 2 * dim + 2), (B, kv_heads, slots, 2, dim), (B, kv_heads, slots, words),
-                       (B, kv_heads, slots, 2)],
-        output_dtypes=[mx.float32, dtype, mx.uint32, mx.float16],
+        output_shapes=[(B, n_heads, 1, dim), (B * n_heads, chunks, 2 * dim + 4), (B, kv_heads, slots, 2, dim),
+                       (B, kv_heads, slots, words), (B, kv_heads, slots, 2)],
+        output_dtypes=[dtype, mx.float32, dtype, mx.uint32, mx.float16],
     )  # fmt: skip
-    merge = dict(template=[("D", dim), ("NT", MERGE_THREADS), ("MAXC", STEP_BLOCKS)],
-                 grid=(B * n_heads * MERGE_THREADS, 1, 1), threadgroup=(MERGE_THREADS, 1, 1),
-                 output_shapes=[(B, n_heads, 1, dim)], output_dtypes=[dtype])  # fmt: skip
-    return step, merge
+    return step
+
+
+def step_counters(rows: int) -> mx.array:
+    """The step kernel's finished-block counters, one a (row, kv head), shared by every
+    launch: zero at a launch's start, as the last block of each row sets it back.
+
+    A real buffer of at least 64 bytes: mx.zeros may be a broadcast scalar (the kernel
+    would overrun it), and MLX keeps arrays of at most 8 bytes in managed memory, where
+    each GPU atomic cost ~2 us (H200: with 2 kv heads the step took 4.5x as long)."""
+    return constant(("count", rows), lambda: mx.array([0] * max(16, rows), dtype=mx.uint32))
 
 
 def step(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple):
@@ -864,7 +911,8 @@ def step(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple):
     `step_books`; meta int32 [p, S, cap, cb, r0, chunks, e0, N, SS, span]. Returns
     (out (B, Hq, 1, D) in q's dtype, the window's next arrays)."""
     B, n_heads, _, dim = q.shape
-    launch, merge = _step_launch(B, n_heads, dim, new[0].shape[1], bits, window[0].shape[2], chunks, q.dtype)
-    outs = _step_kernel("tq_step")(inputs=[q, *new, *sinks, *coded, *window, books, meta], **launch)
-    out = _step_kernel("tq_merge")(inputs=[outs[0], books, meta], **merge)[0]
-    return out, tuple(outs[1:])
+    kv_heads = new[0].shape[1]
+    launch = _step_launch(B, n_heads, dim, kv_heads, bits, window[0].shape[2], chunks, q.dtype)
+    count = step_counters(B * kv_heads)
+    outs = _step_kernel("tq_step")(inputs=[q, *new, *sinks, *coded, *window, books, meta, count], **launch)
+    return outs[0], tuple(outs[2:])

@@ -3,12 +3,12 @@
     python bench/turboquant_step_probe.py 0.5b,7b 1024,8192,32768
 
 Per row (ms, median; each figure includes its mx.eval): `full` = every layer's
-update_and_fetch + attention; `kernels` = the step and merge kernels alone, as many
-launches as layers, over one layer's captured arguments (no cache bookkeeping);
-`step_only` / `merge_only` = one of the two, as many launches as layers (a third
+update_and_fetch + attention; `kernels` = `turboquant_kernels.step` alone, as many
+calls as layers, over one layer's captured arguments (no cache bookkeeping);
+`step_only` = its kernel launched directly, as many launches as layers (a third
 argument, another commit's turboquant_kernels.py: `baseline_kernels` its `step`, its
 kernels and launches, on the same arguments as `kernels`); `empty` = as
-many launches of a custom kernel that writes one float as the step launches (two a
+many launches of a custom kernel that writes one float as the step launches (one a
 layer), `builtin` = as many tiny built-in ops (x + 1 on 16 floats); `fp16` = mx.fast
 attention over an fp16 cache of the same context, every layer; `empty_step_args` /
 `empty_step_header` = an empty body with the step's arguments / header, one a layer;
@@ -88,21 +88,17 @@ def probe(shape: str, n: int) -> dict:
     row["20_launches_ms"] = timed_ms(lambda: mx.eval([real(*args)[0] for _ in range(20)]), 10)
     row["chunks"] = args[7]
     q_, new_kv, sinks, coded, window, books, meta, chunks, bits = args
-    step_in = [q_, *new_kv, *sinks, *coded, *window, books, meta]
-    launch, merge = kernels._step_launch(1, heads, dim, kv_heads, bits, window[0].shape[2], chunks, q_.dtype)
-    step_k, merge_k = kernels._step_kernel("tq_step"), kernels._step_kernel("tq_merge")
-    part = step_k(inputs=step_in, **launch)[0]
-    mx.eval(part)
+    step_in = [q_, *new_kv, *sinks, *coded, *window, books, meta, kernels.step_counters(kv_heads)]
+    launch = kernels._step_launch(1, heads, dim, kv_heads, bits, window[0].shape[2], chunks, q_.dtype)
+    step_k = kernels._step_kernel("tq_step")
     row["step_only_ms"] = timed_ms(lambda: mx.eval([step_k(inputs=step_in, **launch)[0] for _ in range(layers)]))
-    row["merge_only_ms"] = timed_ms(lambda: mx.eval([merge_k(inputs=[part, books, meta], **merge)[0]
-                                                     for _ in range(layers)]))  # fmt: skip
     empty = mx.fast.cuda_kernel(name="probe_empty", input_names=["x"], output_names=["y"],
                                 source="if (threadIdx.x == 0) y[0] = x[0];")  # fmt: skip
     x = mx.zeros((16,))
     mx.eval(x)
     row["empty_ms"] = timed_ms(lambda: mx.eval([empty(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                                                       output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
-                                                for _ in range(2 * layers)]))  # fmt: skip
+                                                for _ in range(layers)]))  # fmt: skip
     if BASELINE:  # the same arguments through another commit's step
         old = baseline_module(BASELINE)
         row["baseline_kernels_ms"] = timed_ms(lambda: mx.eval([old.step(*args)[0] for _ in range(layers)]))
@@ -126,7 +122,7 @@ def probe(shape: str, n: int) -> dict:
             row[f"full_{blocks}_blocks_ms"] = timed_ms(full)
     finally:
         kernels.STEP_BLOCKS = default
-    row["builtin_ms"] = timed_ms(lambda: mx.eval([x + i for i in range(2 * layers)]))
+    row["builtin_ms"] = timed_ms(lambda: mx.eval([x + i for i in range(layers)]))
     ks = [mx.random.normal((1, kv_heads, n, dim)).astype(mx.bfloat16) for _ in range(2)]
     mx.eval(ks)
     row["fp16_ms"] = timed_ms(lambda: mx.eval([mx.fast.scaled_dot_product_attention(q, ks[0], ks[1], scale=dim**-0.5)

@@ -59,7 +59,7 @@ def step_dtypes(dtype: str) -> dict:
     model = ("q", "kn", "vn", "sk", "sv", "wx", "wx_out", "out", "x")
     fixed = {"kc": "u32", "vc": "u32", "wc": "u32", "wc_out": "u32", "codes": "u32", "kq": "f16", "vq": "f16",
              "wq": "f16", "wq_out": "f16", "scales": "f16", "books": "f32", "part": "f32", "sign": "f32",
-             "tab": "f32", "edge": "f32", "meta": "i32"}  # fmt: skip
+             "tab": "f32", "edge": "f32", "meta": "i32", "count": "u32"}  # fmt: skip
     return {**fixed, **{n: dtype for n in model}}
 
 
@@ -75,8 +75,8 @@ def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
     assert [K._threads(d) for d in (64, 128, 256)] == [128, 256, 256]
     # The templates the real launches use (turboquant_kernels._step_launch).
     mx_dtype = {"bf16": mx.bfloat16, "f32": mx.float32}[dtype]
-    step, merge = K._step_launch(1, 2 * group, dim, 2, bits, 44, 8, mx_dtype)
-    templates = {"tq_step": step["template"], "tq_merge": merge["template"],
+    step = K._step_launch(1, 2 * group, dim, 2, bits, 44, 8, mx_dtype)
+    templates = {"tq_step": step["template"],
                  "tq_encode": [("D", dim), ("BITS", kb), ("W", wk)]}  # fmt: skip
     for name, template in templates.items():
         inputs, outputs, body = K.STEP_KERNELS[name]
