@@ -579,8 +579,9 @@ _STEP = """
   for (int t = tid; t < (1 << KB); t += NT) tk[t] = ktab[t];
   for (int t = tid; t < (1 << VB); t += NT) tv[t] = vtab[t];
   if (MMA) {
-    // Levels as the fp16 mma operands hold them; value levels two at a time: entry
-    // a | b << VB is (level a, level b), one load for a coordinate at two positions.
+    // Levels as the fp16 mma operands hold them, two at a time: key entry a | b << KB
+    // is (level a, level b), one load for two adjacent codes of a row (one 2 KB-bit
+    // field); value entry a | b << VB, one load for a coordinate at two positions.
     for (int t = tid; t < (1 << (2 * KB)); t += NT) tk2[t] = tq_h2(ktab[t & ((1 << KB) - 1)], ktab[t >> KB]);
     for (int t = tid; t < (1 << (2 * VB)); t += NT) tv2[t] = tq_h2(vtab[t & ((1 << VB) - 1)], vtab[t >> VB]);
   }
@@ -620,7 +621,8 @@ _STEP = """
     // MMA: the key scales too (divided by D), and both scales 0 at exact positions.
     const int c0 = max(t0, S), c1 = min(t1, e0);
     // 16 bytes a load where every row starts 16-byte aligned (D = 128: WV, WK, WC
-    // multiples of 4 words).
+    // multiples of 4 words). Not unrolled: unrolled, the 16-byte loads took ptxas to
+    // 143 registers a thread (nvcc 13.0), a block an SM.
     constexpr int VW = WV % 4 == 0 && WK % 4 == 0 ? 4 : 1;
     #pragma unroll 1
     for (int t = tid; t < (c1 - c0) * (WV / VW); t += NT) {
@@ -897,7 +899,8 @@ def step_counters(rows: int) -> mx.array:
     """The step kernel's finished-block counters, one a (row, kv head), shared by every
     launch: zero at a launch's start, as the last block of each row sets it back.
 
-    A real buffer of at least 64 bytes: mx.zeros may be a broadcast scalar (the kernel
+    Launches on one stream run one after another, so one set serves them all. A real
+    buffer of at least 64 bytes: mx.zeros may be a broadcast scalar (the kernel
     would overrun it), and MLX keeps arrays of at most 8 bytes in managed memory, where
     each GPU atomic cost ~2 us (H200: with 2 kv heads the step took 4.5x as long)."""
     return constant(("count", rows), lambda: mx.array([0] * max(16, rows), dtype=mx.uint32))

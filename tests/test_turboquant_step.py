@@ -374,6 +374,17 @@ def test_step_chunks_cover_the_positions_in_at_most_a_tile_of_chunks(dim, tile):
                 assert span == tile  # a tile a block while that stays within STEP_BLOCKS
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 28])
+def test_step_counters_are_one_zeroed_buffer_above_mlx_small_pool(rows):
+    """The kernel's block counters: zeros, one a row at least, more than 8 bytes (MLX
+    puts arrays of at most 8 in managed memory, where the kernel's atomics made the step
+    4.5x slower on the H200), the same array for every launch."""
+    counters = kernels.step_counters(rows)
+    assert counters.dtype == mx.uint32 and counters.size >= rows and counters.nbytes >= 64
+    assert np.array(counters).tolist() == [0] * counters.size
+    assert kernels.step_counters(rows) is counters
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_pld_and_the_pool_compose_with_step_mode(step_on_cpu, monkeypatch, model_dir, arch):
     """Prompt-lookup verify passes and trims between steps, and pooled TurboQuant
