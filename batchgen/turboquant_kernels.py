@@ -354,9 +354,12 @@ __device__ __forceinline__ void tq_wht(float* x, int count, int estride = 1, int
   }
 }
 
+// A chunk's partial for one query head: D coded sums (rotated), D exact sums, maximum,
+// sum, and 2 floats of padding, so that rows start 16-byte aligned.
+__host__ __device__ constexpr int tq_part_floats(int d) { return 2 * d + 4; }
+
 // The step's merge, by the block that finishes a (row, kv head) last: the C <= NT
-// chunks' partials (pb: G heads x C chunks x E floats: coded sums, rotated; exact sums;
-// maximum; sum; E = 2D + 4, so rows start 16-byte aligned), written by other blocks and so
+// chunks' partials (pb: G heads x C chunks x E = tq_part_floats(D)), written by other blocks and so
 // read from L2 (__ldcg), into the G heads' outputs. A warp a head takes every chunk's
 // (maximum, sum) in one pass, then the chunks' weights exp(m_c - M) (w: G x C) and the
 // total; every thread then sums a float4 column of a head's coded or exact sums over the
@@ -365,7 +368,7 @@ __device__ __forceinline__ void tq_wht(float* x, int count, int estride = 1, int
 template <int D, int G, int NT, typename T>
 __device__ __forceinline__ void tq_merge_chunks(const float* pb, int C, const float* sign, T* out, float* w,
                                                 float* ys, float* as, float* ls) {
-  constexpr int E = 2 * D + 4, NW = NT / 32, Q = D / 4;
+  constexpr int E = tq_part_floats(D), NW = NT / 32, Q = D / 4;
   const int tid = threadIdx.x, lane = tid & 31;
   for (int g = tid >> 5; g < G; g += NW) {
     const float* ph = pb + (size_t)g * C * E + 2 * D;
@@ -771,7 +774,7 @@ _STEP = """
   if (tid < D) {
     #pragma unroll
     for (int g = 0; g < G; g++) {
-      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * (2 * D + 4);
+      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * tq_part_floats(D);
       o[tid] = MMA ? qr[g * D + tid] : (K > 1 ? ar[g] + sc[g * D + tid] : ar[g]);
       o[D + tid] = K > 1 ? ap[g] + sc[(GP + g) * D + tid] : ap[g];
       if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
@@ -793,7 +796,7 @@ _STEP = """
     if (last) {
       __threadfence();
       const size_t h0 = (size_t)b * HKV * G + hk * G;  // the group's first query head
-      tq_merge_chunks<D, G, NT>(part + h0 * C * (2 * D + 4), C, sign, out + h0 * D, sc, qr, qp, fl);
+      tq_merge_chunks<D, G, NT>(part + h0 * C * tq_part_floats(D), C, sign, out + h0 * D, sc, qr, qp, fl);
     }
   }
 """
@@ -878,12 +881,14 @@ def step_books(signs, key_levels, key_edges, value_levels, value_edges, scale: f
 
 @lru_cache(maxsize=256)
 def _step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slots: int, chunks: int,
-                 dtype) -> tuple:  # fmt: skip
+                 dtype) -> dict:  # fmt: skip
     """The step kernel's keyword arguments besides inputs (made once per shape). A
     decode step of a small model is bound by host work per launch, which grows with
     the launch's arguments: hence few inputs, outputs and template constants."""
     (kb, vb), threads = bits, _threads(dim)
     words = dim * (kb + vb) // 32
+    # Outputs: out, part (the kernel's tq_part_floats(D) = 2D + 4 floats a head and
+    # chunk), then the window's next arrays.
     step = dict(
         template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb)],
         grid=(B * kv_heads * chunks * threads, 1, 1),

@@ -6,9 +6,10 @@ state, in one process, in turn.
 Each FILE is a turboquant_kernels.py (its `step`: kernels and launches, compiled under
 its own names). A step each layer is captured from a filled cache (random data of the
 shape), then each version runs it as many times as the shape has layers, the versions
-in turn, `ROUNDS` rounds (the captured chunking is the installed turboquant_kernels'
-`step_chunks`: a version with another rule gets this one's). Prints a JSON line: each version's ms (median over rounds) and
-its largest difference from the first version's output. `--pick DEST`: copy the fastest
+in turn, `ROUNDS` rounds. The captured chunking is the installed turboquant_kernels'
+`step_chunks`: a version with another rule gets this one's. Prints a JSON line: each
+version's ms (median over rounds) and its largest difference from the first version's
+output. `--pick DEST`: copy the fastest
 version whose output is within 1e-2 of the first's to DEST. CUDA only.
 """
 
