@@ -244,7 +244,7 @@ class BatchScheduler:
         """A job about to enter: tokenized, its sampling keys drawn."""
         e = self.engine
         timer = Timer()
-        tokens = e.checked_tokens(job)
+        job, tokens, capped_from = e.checked_job(job)
         plan = e.plan(job)
         drafts = plan.decode.draft == "pld" and job.sampling.greedy and plan.decode.pld_max_lookup > 0
         if ((drafts and self.drafts is None) or plan.kv != self.kv) and not self.logged_overrides:
@@ -254,7 +254,7 @@ class BatchScheduler:
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
         index = NgramIndex(tokens, plan.decode.pld_ngram_size) if drafts and self.drafts else None
-        stats = JobStats(draft="pld" if index else "none", kv_cache=self.kv.kind)
+        stats = JobStats(draft="pld" if index else "none", kv_cache=self.kv.kind, max_tokens_capped_from=capped_from)
         lookup = min(plan.decode.pld_max_lookup, self.width - 1)
         return Row(job, tokens, 0, text, keys, stats, timer, queued=1, index=index, lookup=lookup)
 

@@ -1,8 +1,10 @@
 """The `batchgen` command line: the only module that knows click.
 
 Core modules raise plain exceptions; this one turns them into one-line
-messages on stderr and exit codes (0 ok, 1 some jobs failed, 2 unusable input
-or options, 130 interrupted).
+messages on stderr and exit codes: 0 ok, 1 some jobs failed (this run or an
+earlier one whose error lines the output keeps), 2 unusable input or options,
+or an output that cannot be written (finished lines kept), 130/143/129 stopped
+by SIGINT/SIGTERM/SIGHUP, 141 the reader of `-o -` closed the pipe.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import sys
 from pathlib import Path
 
 import json
+import math
 
 import click
-import orjson
 
 # Quiet the tokenizer library's advice about missing deep-learning frameworks.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -45,7 +47,7 @@ def _setup_logging(quiet: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("batchgen: %(message)s"))
     log.addHandler(handler)
-    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.setLevel(logging.ERROR if quiet else logging.INFO)
     log.propagate = False
 
 
@@ -66,8 +68,8 @@ def _parse_bytes(text: str | None) -> int | None:
         value = float(num) * units[unit]
     except (ValueError, KeyError):
         raise click.BadParameter(f"not a size: {text!r} (try 2GB or 512MiB)") from None
-    if value <= 0:
-        raise click.BadParameter("must be positive")
+    if not math.isfinite(value) or value < 1:
+        raise click.BadParameter(f"{text!r}: a size must be finite and at least 1 byte (try 2GB or 512MiB)")
     return int(value)
 
 
@@ -79,7 +81,25 @@ def _parse_batch_size(text: str | None):
     raise click.BadParameter(f"--batch-size must be a positive integer or 'auto', got {text!r}")
 
 
-@click.group()
+class _OneLineErrors(click.Group):
+    """click's usage errors as one line (`batchgen: error: ...`, exit 2)
+    instead of its usage block, so logs and cron mail stay readable."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except click.UsageError as e:
+            where = f" (batchgen {e.ctx.info_name})" if e.ctx is not None and e.ctx.parent is not None else ""
+            _fail(f"{e.format_message()}{where}; see --help")
+        except click.ClickException as e:
+            _fail(e.format_message(), e.exit_code)
+        except click.exceptions.Abort:
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLineErrors)
 @click.version_option(__version__, prog_name="batchgen")
 def main():
     """Offline batch generation for MLX language models."""
@@ -90,7 +110,7 @@ def main():
 @click.option("-o", "--output", default=None, help="Output JSONL (default outputs/<stem>.jsonl; - for stdout).")
 @click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id (env BATCHGEN_MODEL; default: the bundled demo model).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True, help="For jobs without max_tokens.")
-@click.option("--seed", type=int, default=None, help="For jobs without a seed.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="For jobs without a seed.")
 @click.option("--draft", type=click.Choice(DRAFT_KINDS + ("auto",)), default="auto", show_default=True, help="Prompt-lookup drafting or plain decoding; auto: pld, whose policy verifies only drafts that pay on this device.")
 @click.option("--pld-ngram-size", type=click.IntRange(min=1), default=DEFAULT_PLD_NGRAM_SIZE, show_default=True)
 @click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True, help="Most draft tokens per verify pass.")
@@ -116,7 +136,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         prewarm_file, batch_size, kv_budget, summary_path, retry_failed, no_fsync, quiet):  # fmt: skip
     """Generate a result line for every job in JOBS (a JSONL file, or - for stdin)."""
     _setup_logging(quiet)
-    from .runner import RunError, default_output, run_jobs, spool_stdin
+    from .runner import RunError, default_output, run_jobs, save_summary, spool_stdin
 
     engine = EngineConfig(
         model=model or str(DEMO_MODEL_DIR),
@@ -134,9 +154,12 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         batch_size=_parse_batch_size(batch_size),
         kv_budget_bytes=_parse_bytes(kv_budget),
     )
+    if jobs != "-" and not Path(jobs).is_file():
+        _fail(f"cannot read job file {jobs}: no such file")
+    jobs_path = spool_stdin() if jobs == "-" else Path(jobs)
     cfg = RunConfig(
         jobs_path=jobs,
-        output_path=output or default_output(jobs),
+        output_path=output or default_output(jobs, jobs_path),
         engine=engine,
         default_max_tokens=max_tokens,
         default_seed=seed,
@@ -145,9 +168,6 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         fsync=not no_fsync,
         retry_failed=retry_failed,
     )
-    if jobs != "-" and not Path(jobs).is_file():
-        _fail(f"cannot read job file {jobs}: no such file")
-    jobs_path = spool_stdin() if jobs == "-" else Path(jobs)
     progress = not quiet and sys.stderr.isatty()
     try:
         outcome = run_jobs(cfg, jobs_path, progress)
@@ -157,12 +177,14 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         if jobs == "-":
             jobs_path.unlink(missing_ok=True)
     summary = outcome.summary
-    if summary_path is not None:
-        summary_path.parent.mkdir(parents=True, exist_ok=True)
-        summary_path.write_bytes(orjson.dumps(summary.as_dict(), option=orjson.OPT_INDENT_2) + b"\n")
     if not quiet:
         for line in summary.lines():
             click.echo(f"batchgen: {line}", err=True)
+    if summary_path is not None:
+        try:
+            save_summary(summary_path, summary)
+        except RunError as e:
+            _fail(str(e))
     sys.exit(outcome.exit_code)
 
 

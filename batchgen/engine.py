@@ -148,6 +148,18 @@ def default_kv_budget() -> int:
     return max((total - mx.get_active_memory()) // 2, 1 << 28)
 
 
+def memory_limit() -> int:
+    """The device's memory, or less where the process is held to less
+    (`ulimit -v`, a container's address-space limit)."""
+    import resource
+
+    from .prompt_cache import default_pool_bytes
+
+    total = default_pool_bytes() * 10
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return min(total, soft) if soft != resource.RLIM_INFINITY else total
+
+
 def device_name() -> str:
     info = mx.device_info()
     name = info.get("device_name") or info.get("architecture") or ""
@@ -581,14 +593,33 @@ class Engine:
             self._per_token_bytes[key] = kv_bytes_per_token(cache)
         return self._per_token_bytes[key]
 
-    def checked_tokens(self, job: Job) -> list[int]:
-        """The job's prompt tokens, or `JobRunError` if they cannot run here."""
+    def checked_job(self, job: Job) -> tuple[Job, list[int], int | None]:
+        """(the job as it will run, its prompt tokens, the max_tokens it asked for
+        where that was capped, else None), or `JobRunError` if it cannot run.
+
+        max_tokens is capped to the model's context less the prompt: past the
+        context the model has no positions, and a job asking more would only
+        hold the file up (the result says `stats.max_tokens_capped_from`). What
+        is left must fit in memory, checked before any generation, so one job
+        can never take the run down."""
         tokens = self.prompt_tokens(job)
-        if self.context_length and len(tokens) > self.context_length:
-            raise JobRunError("prompt_too_long", f"prompt has {len(tokens)} tokens; the model's context is {self.context_length}")
         if not tokens:
             raise JobRunError("empty_prompt", "the prompt has no tokens")
-        return tokens
+        if self.context_length and len(tokens) >= self.context_length:
+            raise JobRunError("prompt_too_long", f"prompt has {len(tokens)} tokens; the model's context is {self.context_length}")
+        asked = job.max_tokens
+        if self.context_length and len(tokens) + asked > self.context_length:
+            job = replace(job, max_tokens=self.context_length - len(tokens))
+        per_token, per_row = self._kv_bytes_per_token(self.plan(job).kv)
+        need = per_token * (len(tokens) + job.max_tokens) + per_row + 8 * job.max_tokens  # KV + sampling keys
+        free = memory_limit() - mx.get_active_memory()
+        if need > free:
+            raise JobRunError(
+                "too_large",
+                f"prompt ({len(tokens)} tokens) and max_tokens {job.max_tokens} need {need / 1e9:.2f} GB of KV cache; "
+                f"{max(free, 0) / 1e9:.2f} GB is free",
+            )
+        return job, tokens, (asked if job.max_tokens != asked else None)
 
     def start_prompt(self, tokens: list[int], plan: JobPlan) -> tuple[list, int, mx.array]:
         """A cache holding the prompt, from the pool where it can, and the logits
@@ -605,9 +636,9 @@ class Engine:
     def _run(self, job: Job) -> Result:
         timer = Timer()
         mx.reset_peak_memory()
-        tokens = self.checked_tokens(job)
+        job, tokens, capped_from = self.checked_job(job)
         plan = self.plan(job)
-        stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind)
+        stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind, max_tokens_capped_from=capped_from)
         n_keys = job.max_tokens + plan.decode.pld_max_lookup + 2
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), n_keys)
         cache, cached, logits = self.start_prompt(tokens, plan)

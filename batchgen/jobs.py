@@ -12,6 +12,7 @@ as a whole (unreadable, bad header, duplicate ids) raise `JobFileError`.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -94,8 +95,14 @@ def _check(ok: bool, key: str, want: str, value) -> None:
         raise InvalidJob("invalid_value", f"'{key}' must be {want}, got {value!r}")
 
 
+# No model reads this many tokens; past it a number is a typo, not a request.
+# Below it, the engine caps a job at the model's context (see Engine.token_budget).
+MAX_TOKENS_LIMIT = 1 << 24
+SEED_LIMIT = 1 << 32  # sampling keys hold 32 bits of seed: a larger one would alias
+
+
 def _max_tokens(key, v):
-    _check(_is_int(v) and v > 0, key, "a positive integer", v)
+    _check(_is_int(v) and 0 < v <= MAX_TOKENS_LIMIT, key, f"an integer in 1..{MAX_TOKENS_LIMIT}", v)
     return v
 
 
@@ -125,7 +132,7 @@ def _positive_int(key, v):
 
 
 def _seed(key, v):
-    _check(_is_int(v), key, "an integer", v)
+    _check(_is_int(v) and 0 <= v < SEED_LIMIT, key, f"an integer in 0..{SEED_LIMIT - 1}", v)
     return v
 
 
@@ -411,6 +418,8 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
         raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
     with f:
         for n, raw in enumerate(f, start=1):
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):  # editors on Windows write one
+                raw = raw[len(codecs.BOM_UTF8) :]
             raw = raw.strip()
             if raw:
                 yield n, raw
@@ -487,16 +496,18 @@ def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None) -> tup
     for item in iter_jobs(path, defaults, report.format, header_line):
         report.jobs += 1
         report.ids.add(item.id)
-        if isinstance(item, BadJob):
-            report.bad += 1
-            if on_bad is not None:
-                on_bad(item)
-            continue
+        # Ids are unique over bad lines too: each line, good or bad, gets one
+        # result line under its id, and resume knows jobs by id alone.
         if item.id in seen:
             raise JobFileError(
                 f"duplicate job id {item.id!r} on lines {seen[item.id]} and {item.line}"
             )
         seen[item.id] = item.line
+        if isinstance(item, BadJob):
+            report.bad += 1
+            if on_bad is not None:
+                on_bad(item)
+            continue
         system = _system_of(item)
         if system:
             digest = hashlib.sha1(system.encode()).digest()

@@ -86,15 +86,29 @@ def result_line(r: Result) -> bytes:
 
 
 def _line_key(obj) -> str | None:
-    """The job key of a result line: `custom_id` for OpenAI lines, else `id`."""
+    """The job key of a result line (`custom_id` for OpenAI lines, else `id`),
+    or None when `obj` is not a result line. A job line is not a result: it
+    has an id but neither `text` nor `error` (native), or no `response`
+    (OpenAI), so a job file given as the output is refused, never resumed."""
     if not isinstance(obj, dict):
         return None
-    key = obj.get("custom_id") if "custom_id" in obj else obj.get("id")
-    return key if isinstance(key, str) else None
+    if "custom_id" in obj:
+        ok = "response" in obj and "error" in obj
+        key = obj.get("custom_id")
+    else:
+        ok = "error" in obj and ("text" in obj or obj.get("error") is not None)
+        key = obj.get("id")
+    return key if ok and isinstance(key, str) else None
 
 
 def _is_error_line(obj: dict) -> bool:
     return obj.get("error") is not None
+
+
+# Every line batchgen writes starts so (orjson keeps the dicts' key order, and
+# both shapes put "id" first): a torn tail is cut only when it is the start of
+# one of ours, never when it is some other file's last line.
+_LINE_START = b'{"id":'
 
 
 @dataclass
@@ -104,34 +118,55 @@ class ResumeIndex:
     torn_bytes: int = 0  # bytes of a torn last line, cut off on open
 
 
+def _not_ours(path: Path, n: int, why: str = "") -> OutputFileError:
+    return OutputFileError(
+        f"output file {path} line {n} is not a batchgen result line{why}; refusing to append to it"
+    )
+
+
 def read_resume_index(path: Path) -> ResumeIndex:
-    """Keys already answered in `path`; raises if the file is not ours."""
+    """Keys already answered in `path`; raises if the file is not ours.
+
+    A torn last line (no newline: a crash mid-write) that starts like one of
+    our lines is noted for `open_output` to cut. Any other line that is not a
+    result, and any id answered twice, is refused by line number: the file is
+    then not a clean batchgen output, and appending to it would hide that.
+    """
     index = ResumeIndex()
     if not path.exists():
         return index
-    with open(path, "rb") as f:
+    if path.is_dir():
+        raise OutputFileError(f"output {path} is a directory")
+    first_line: dict[str, int] = {}
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise OutputFileError(f"cannot read output file {path}: {e.strerror}") from None
+    with f:
         for n, raw in enumerate(f, start=1):
-            complete = raw.endswith(b"\n")
+            if not raw.endswith(b"\n"):
+                if raw.startswith(_LINE_START) or not raw.strip():
+                    index.torn_bytes = len(raw)
+                    break
+                raise _not_ours(path, n, " (nor the start of one)")
+            if not raw.strip():
+                continue
             try:
-                obj = orjson.loads(raw) if raw.strip() else None
+                obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 obj = None
             key = _line_key(obj)
-            if key is None and raw.strip():
-                if not complete or f.peek(1) == b"":
-                    index.torn_bytes = len(raw)  # the last line: a crash mid-write
-                    break
+            if key is None:
+                raise _not_ours(path, n)
+            if key in first_line:
                 raise OutputFileError(
-                    f"output file {path} line {n} is not a batchgen result line; "
+                    f"output file {path} line {n} repeats id {key!r} (first on line {first_line[key]}); "
                     "refusing to append to it"
                 )
-            if not complete:
-                index.torn_bytes = len(raw)
-                break
-            if key is not None:
-                index.done.add(key)
-                if _is_error_line(obj):
-                    index.failed.add(key)
+            first_line[key] = n
+            index.done.add(key)
+            if _is_error_line(obj):
+                index.failed.add(key)
     return index
 
 
@@ -144,34 +179,73 @@ def _cut_torn_tail(path: Path, torn_bytes: int) -> None:
 
 
 def _drop_keys(path: Path, keys: set) -> None:
-    """Rewrite `path` without the lines of `keys`, atomically (temp + rename)."""
+    """Rewrite `path` without the lines of `keys` (and without blank lines),
+    atomically: a temp file renamed over it, removed if anything fails."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(path, "rb") as src, open(tmp, "wb") as dst:
-        for raw in src:
-            if _line_key(orjson.loads(raw)) not in keys:
-                dst.write(raw)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for raw in src:
+                if raw.strip() and _line_key(orjson.loads(raw)) not in keys:
+                    dst.write(raw)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class OutputClosed(Exception):
+    """The reader of stdout went away (a broken pipe)."""
+
+
+class OutputWriteError(Exception):
+    """A result line could not be written (full disk, I/O error); the file
+    holds every line written before it, whole."""
 
 
 class ResultWriter:
-    """Appends result lines to a file (or stdout), one flushed write each."""
+    """Appends result lines to a file (or stdout), one whole line at a time.
+
+    A file is written unbuffered through its descriptor: a line that fails
+    part-way (a full disk) is cut back off at once, so the file only ever
+    holds whole lines, and nothing buffered can land later."""
 
     def __init__(self, stream, fsync: bool):
         self._stream = stream
-        self._fsync = fsync and stream is not sys.stdout.buffer
+        self._is_stdout = stream is sys.stdout.buffer
+        self._fsync = fsync and not self._is_stdout
         self.written = 0
 
     def write(self, r: Result) -> None:
-        self._stream.write(result_line(r))
-        self._stream.flush()
-        if self._fsync:
-            os.fsync(self._stream.fileno())
+        line = result_line(r)
+        if self._is_stdout:
+            try:
+                self._stream.write(line)
+                self._stream.flush()
+            except BrokenPipeError:
+                raise OutputClosed() from None
+        else:
+            self._append(line)
         self.written += 1
 
+    def _append(self, line: bytes) -> None:
+        fd = self._stream.fileno()
+        start = os.fstat(fd).st_size  # the run holds the output's lock: nobody else appends
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self._fsync:
+                os.fsync(fd)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # a resume cuts the torn tail instead
+            raise OutputWriteError(f"cannot write output file {self._stream.name}: {e.strerror}") from None
+
     def close(self) -> None:
-        if self._stream is not sys.stdout.buffer:
+        if not self._is_stdout:
             self._stream.close()
 
 
@@ -187,7 +261,45 @@ def open_output(path: str, index: ResumeIndex, fsync: bool, retry_failed: bool) 
             _cut_torn_tail(p, index.torn_bytes)
         if retry_failed and index.failed:
             _drop_keys(p, index.failed)
-        stream = open(p, "ab")
+        stream = open(p, "ab", buffering=0)
     except OSError as e:
         raise OutputFileError(f"cannot write output file {p}: {e.strerror}") from None
     return ResultWriter(stream, fsync)
+
+
+class OutputLock:
+    """An advisory lock (`flock`) on a hidden file beside the output,
+    `.<name>.lock`, held for the whole run: a second run on the same output is
+    refused at once, and a crashed run's lock goes with its process.
+
+    The lock file is left in place: removing it would let a run that opened
+    the old file and one that creates a new one both hold "the" lock."""
+
+    def __init__(self, path: Path):
+        self.output = path
+        self.path = path.with_name(f".{path.name}.lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> "OutputLock":
+        import fcntl
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputFileError(f"cannot lock output file {self.output}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise OutputFileError(
+                f"output file {self.output} is in use by another batchgen run "
+                f"(lock {self.path}); wait for it to end"
+            ) from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None

@@ -218,12 +218,30 @@ def prewarm_key(model_digest: str, kind: str, tokens: Sequence[int]) -> str:
     return h.hexdigest()[:32]
 
 
+def tensors_digest(arrays: dict) -> str:
+    """SHA-256 over a file's tensors: names, dtypes, shapes and raw bytes, in
+    name order. The key says what a cache was made for; this says the tensors
+    are still the ones that were saved (a bit flip or an edit changes it)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        h.update(f"{name}:{a.dtype}:{tuple(a.shape)};".encode())
+        h.update(np.asarray(a.reshape(-1).view(mx.uint8)).tobytes() if a.size else b"")
+    return h.hexdigest()
+
+
 def save_prewarm(path: Path, cache: list, tokens: Sequence[int], key: str) -> None:
-    """mlx-lm's prompt-cache file format, with our key and tokens as metadata."""
+    """mlx-lm's prompt-cache file format, with our key, tokens and the
+    tensors' checksum as metadata (the checksum is taken over the tensors as
+    written, read back, so it covers exactly what `load_prewarm` reads)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.safetensors")
     metadata = {"batchgen_key": key, "tokens": json.dumps(list(tokens))}
     mlx_cache.save_prompt_cache(str(tmp), cache, metadata)
+    arrays, meta = mx.load(str(tmp), return_metadata=True)
+    mx.eval(list(arrays.values()))  # read in full before the file is written over
+    meta["0.batchgen_sha256"] = tensors_digest(arrays)
+    mx.save_safetensors(str(tmp), arrays, meta)
     os.replace(tmp, path)
 
 
@@ -234,6 +252,9 @@ def load_prewarm(path: Path, key: str, tokens: Sequence[int], classes: dict) -> 
         return None
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
+        if meta.get("0.batchgen_sha256") != tensors_digest(arrays):
+            log.warning(f"prompt cache file {path} fails its checksum (altered or damaged); rebuilding it")
+            return None
         cache = _rebuild(arrays, meta, classes)
         ok = meta.get("0.batchgen_key") == key and json.loads(meta.get("0.tokens", "[]")) == list(tokens)
     except Exception as e:  # any damage to the file means: prefill again

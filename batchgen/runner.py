@@ -8,26 +8,44 @@ created; it raises `RunError` with a one-line reason (exit code 2).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import shutil
 import signal
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from .config import RunConfig
 from .jobs import JobFileError, ScanReport, iter_jobs, scan_jobs
-from .output import OutputFileError, ResumeIndex, open_output, read_resume_index
+from .output import (
+    OutputClosed,
+    OutputFileError,
+    OutputLock,
+    OutputWriteError,
+    ResumeIndex,
+    open_output,
+    read_resume_index,
+)
 from .stats import RunSummary, Timer
 
 log = logging.getLogger("batchgen")
 
-EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
+# 128 + the signal's number, as a shell reports a process the signal ended.
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+EXIT_INTERRUPTED = EXIT_SIGNAL[signal.SIGINT]
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of `-o -` went away
 
 
 class RunError(Exception):
-    """The run cannot start (exit code 2); the message is one line."""
+    """The run cannot start, or cannot go on writing (exit code 2); the
+    message is one line. Lines written before it stay whole."""
 
 
 @dataclass
@@ -44,26 +62,135 @@ def spool_stdin() -> Path:
     return Path(tmp.name)
 
 
-def default_output(jobs_path: str) -> str:
-    stem = "stdin" if jobs_path == "-" else Path(jobs_path).stem
-    return str(Path("outputs") / f"{stem}.jsonl")
+def default_output(jobs_path: str, spooled: Path | None = None) -> str:
+    """`outputs/<stem>.jsonl`; for stdin, `outputs/stdin-<digest>.jsonl`, named
+    by the content, so two different stdin runs never share an output (their
+    line-number ids would collide), and the same input run again resumes."""
+    if jobs_path == "-":
+        h = hashlib.sha256()
+        with open(spooled, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return str(Path("outputs") / f"stdin-{h.hexdigest()[:12]}.jsonl")
+    return str(Path("outputs") / f"{Path(jobs_path).stem}.jsonl")
 
 
-class _Terminated(Exception):
-    pass
+class Stopped(BaseException):
+    """A stop signal arrived. A BaseException, as KeyboardInterrupt is: the
+    engine's per-job `except Exception` must never turn a stop into an error
+    line for the job in flight."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _raise_on_sigterm(*_):
-    raise _Terminated()
+class _StopSignals:
+    """SIGINT, SIGTERM and SIGHUP raise `Stopped` in the main thread, except
+    while a result line is being written: then the stop waits for the line to
+    be whole (and counted), so a signal can neither tear nor lose it."""
+
+    def __init__(self):
+        self._writing = False
+        self._pending: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        for sig in EXIT_SIGNAL:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, _frame):
+        if self._writing:
+            self._pending = signum
+        else:
+            raise Stopped(signum)
+
+    @contextmanager
+    def writing(self):
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+            if self._pending is not None:
+                raise Stopped(self._pending)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # through links too: same device and inode
+    except OSError:
+        return False
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Raise `RunError` now if `path` could not be written at the end."""
+    if path.is_dir():
+        raise RunError(f"{what} {path} is a directory")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise RunError(f"cannot write {what} {path}: {e.strerror}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def save_summary(path: Path, summary: RunSummary) -> None:
+    """Write the summary JSON atomically (temp file, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(orjson.dumps(summary.as_dict(), option=orjson.OPT_INDENT_2) + b"\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write summary {path}: {e.strerror} (every result line is in the output)") from None
+
+
+def _check_paths(cfg: RunConfig, jobs_path: Path) -> None:
+    if cfg.output_path != "-":
+        out = Path(cfg.output_path)
+        if out.is_dir():
+            raise RunError(f"output {out} is a directory")
+        if _same_file(out, jobs_path):
+            raise RunError(f"output {out} is the job file itself; give another -o")
+    if cfg.summary_path is not None:
+        if _same_file(cfg.summary_path, jobs_path) or (
+            cfg.output_path != "-" and _same_file(cfg.summary_path, Path(cfg.output_path))
+        ):
+            raise RunError(f"summary {cfg.summary_path} is the job file or the output")
+        check_writable(cfg.summary_path, "summary")
 
 
 def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool) -> Outcome:
     wall = Timer()
+    _check_paths(cfg, jobs_path)
+    lock = OutputLock(Path(cfg.output_path)) if cfg.output_path != "-" else None
     try:
         scan, defaults = scan_jobs(jobs_path, cfg.default_max_tokens, cfg.default_seed)
+        if lock is not None:
+            lock.acquire()
         index = read_resume_index(Path(cfg.output_path)) if cfg.output_path != "-" else ResumeIndex()
     except (JobFileError, OutputFileError) as e:
+        if lock is not None:
+            lock.release()
         raise RunError(str(e)) from None
+    try:
+        return _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall) -> Outcome:
     retry = index.failed if cfg.retry_failed else set()
     done = index.done - retry
     engine = _load_engine(cfg)
@@ -74,41 +201,66 @@ def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool) -> Outcome:
         raise RunError(str(e)) from None
     if index.torn_bytes:
         log.info(f"repaired a torn last line ({index.torn_bytes} bytes) in {cfg.output_path}")
-    _prewarm(cfg, engine, scan, summary)
     todo = (item for item in iter_jobs(jobs_path, defaults, scan.format, scan.header_line) if item.id not in done)
     summary.total = scan.jobs
     summary.skipped = len(scan.ids & done)
+    summary.failed_earlier = len(scan.ids & (index.failed - retry))
     if summary.skipped:
         log.info(f"resuming: {summary.skipped} jobs already have results in {cfg.output_path}")
-    bar = _progress_bar(scan.jobs - summary.skipped, progress)
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    if summary.failed_earlier:
+        log.warning(f"{summary.failed_earlier} of them are error lines; --retry-failed runs them again")
+    bar = None
+    code = None
+    stops = _StopSignals()
     try:
-        for result in engine.run_all(todo, total=scan.jobs - summary.skipped):
-            writer.write(result)
-            summary.add(result)
-            if not result.ok:
-                log.warning(f"job {result.id!r} (line {result.line}) failed: {result.error.type}: {result.error.message}")
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{summary.decode_tps:.1f} tok/s")
-    except (KeyboardInterrupt, _Terminated):
+        with stops:
+            _prewarm(cfg, engine, scan, summary)
+            bar = _progress_bar(scan.jobs - summary.skipped, progress)
+            for result in engine.run_all(todo, total=scan.jobs - summary.skipped):
+                with stops.writing():
+                    writer.write(result)
+                    summary.add(result)
+                if not result.ok:
+                    log.warning(f"job {result.id!r} (line {result.line}) failed: {result.error.type}: {result.error.message}")
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{summary.decode_tps:.1f} tok/s")
+    except (Stopped, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         summary.interrupted = True
+        code = EXIT_SIGNAL[signum]
         log.warning(
-            f"interrupted after {writer.written} jobs; their results are in {cfg.output_path}; "
-            "run the same command again to resume"
+            f"interrupted after {writer.written} jobs ({signal.Signals(signum).name}); their results are in "
+            f"{cfg.output_path}; run the same command again to resume"
         )
+    except OutputClosed:
+        summary.interrupted = True
+        code = EXIT_BROKEN_PIPE
+        _silence_stdout()
+        log.warning(f"the output's reader closed it after {writer.written} jobs; stopped")
+    except OutputWriteError as e:
+        raise RunError(f"{e}; stopped after {writer.written} jobs, every finished line kept; "
+                       "run the same command again to resume") from None  # fmt: skip
     finally:
-        signal.signal(signal.SIGTERM, previous)
         writer.close()
         if bar is not None:
             bar.close()
     summary.wall_s = wall.elapsed_s
     summary.batch = {k: round(v, 4) if isinstance(v, float) else v for k, v in engine.batch_report.items()}
-    if summary.interrupted:
-        code = EXIT_INTERRUPTED
-    else:
-        code = EXIT_FAILED if summary.failed else EXIT_OK
+    if code is None:
+        code = EXIT_FAILED if summary.failed or summary.failed_earlier else EXIT_OK
     return Outcome(summary, code)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of a closed
+    pipe cannot fail again at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _load_engine(cfg: RunConfig):

@@ -21,6 +21,7 @@ class JobStats:
     kv_cache: str = "fp16"
     kv_bytes: int = 0
     peak_memory_gb: float = 0.0
+    max_tokens_capped_from: int | None = None  # the job's max_tokens, where the model's context capped it
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -85,6 +86,7 @@ class RunSummary:
     ok: int = 0
     failed: int = 0
     skipped: int = 0
+    failed_earlier: int = 0  # skipped jobs whose earlier line is an error
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -128,6 +130,7 @@ class RunSummary:
                 "ok": self.ok,
                 "failed": self.failed,
                 "skipped": self.skipped,
+                "skipped_failed": self.failed_earlier,
             },
             "tokens": {
                 "prompt": self.prompt_tokens,
@@ -164,7 +167,8 @@ class RunSummary:
         j, t = d["jobs"], d["tokens"]
         f = d["fusion"] or {}
         return [
-            f"jobs: {j['total']} total, {j['ok']} ok, {j['failed']} failed, {j['skipped']} skipped",
+            f"jobs: {j['total']} total, {j['ok']} ok, {j['failed']} failed, {j['skipped']} skipped"
+            + (f" ({j['skipped_failed']} of them error lines)" if j["skipped_failed"] else ""),
             f"tokens: {t['prompt']} prompt ({t['cached']} cached, cache_hit_ratio={d['cache_hit_ratio']}), "
             f"{t['completion']} completion",
             f"time: wall {d['wall_s']}s, load {d['load_s']}s, prewarm {d['prewarm']['tokens']} tokens "

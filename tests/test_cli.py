@@ -55,7 +55,7 @@ def test_run_writes_one_line_per_job_and_summary(tmp_path, model):
                     "pld_drafted", "pld_accepted", "kv_cache", "kv_bytes", "peak_memory_gb"):  # fmt: skip
             assert key in l["stats"]
     s = json.loads(summary.read_text())
-    assert s["jobs"] == {"total": 4, "ok": 4, "failed": 0, "skipped": 0}
+    assert s["jobs"] == {"total": 4, "ok": 4, "failed": 0, "skipped": 0, "skipped_failed": 0}
     assert s["tokens"]["completion"] == 24 and s["tokens"]["prompt"] == sum(l["usage"]["prompt_tokens"] for l in lines)
     for key in ("wall_s", "load_s", "decode_tps", "peak_memory_gb", "model_memory_gb", "device", "fusion", "prewarm", "draft", "kv_cache"):
         assert key in s
