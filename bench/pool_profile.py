@@ -51,7 +51,7 @@ def prompt_pass(engine: Engine, cache: list, tokens: list[int]) -> tuple[float, 
 def profile(engine: Engine, job) -> dict:
     row = {"id": job.id}
     start = time.perf_counter()
-    tokens = engine.checked_tokens(job)
+    job, tokens, _ = engine.checked_job(job)
     plan = engine.plan(job)
     row["tokenize_ms"] = _ms(start)
     start = time.perf_counter()
