@@ -24,30 +24,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .config import EngineConfig, SamplingConfig
-from .engine import Engine, cast_floats, load_model
+from .config import SHAPE_COMMON, SHAPES, EngineConfig, SamplingConfig
+from .engine.core import Engine, cast_floats, load_model
 from .jobs import NATIVE, Job, iter_jobs, scan_jobs
 
 # Real model shapes, random weights: for speed figures where quality does not matter.
-SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
-    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=1024, num_hidden_layers=16,
-                            intermediate_size=3072, num_attention_heads=16, num_key_value_heads=4,
-                            head_dim=64, num_experts=16, num_experts_per_tok=4,
-                            moe_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
-                            norm_topk_prob=True, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=384,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-}  # fmt: skip
-SHAPE_COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
-                    max_position_embeddings=65536, vocab_size=151936)  # fmt: skip
-
-
 @dataclass(frozen=True)
 class BenchConfig:
     engine: EngineConfig  # batchgen's side; `engine.model` is the path or a shape name
@@ -162,7 +143,7 @@ def weights_dtype(model) -> str:
 def parse_policy(text: str) -> tuple[tuple[str, float], ...]:
     """"min_plain_tokens=4,margin=1.0" -> (("min_plain_tokens", 4), ("margin", 1.0)),
     checked against DraftPolicy's numeric settings."""
-    from .pld import DraftPolicy
+    from .decode.pld import DraftPolicy
 
     counters = ("accepted", "drafted")
     known = {k: type(v) for k, v in vars(DraftPolicy()).items() if type(v) in (int, float) and k not in counters}
@@ -286,7 +267,7 @@ def versions() -> dict:
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
-    from .engine import device_name
+    from .engine.core import device_name
 
     plain_model, tokenizer, engine, config = load_pair(cfg)
     jobs, system = bench_jobs(cfg, tokenizer)
@@ -456,7 +437,7 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
     rows (a run cut short keeps the sizes it finished)."""
     from mlx_lm.generate import batch_generate
 
-    from .engine import device_name
+    from .engine.core import device_name
 
     plain_model, tokenizer, engine, config = load_pair(cfg)
     base, _ = bench_jobs(cfg, tokenizer)

@@ -36,6 +36,7 @@ from .config import (  # noqa: E402
     EngineConfig,
     KVConfig,
     PromptCacheConfig,
+    SHAPES,
     RunConfig,
 )
 from .jobs import JobFileError, scan_jobs  # noqa: E402
@@ -214,7 +215,7 @@ def validate(jobs, max_tokens):
 @main.command()
 @click.argument("jobs", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id (default: the demo model).")
-@click.option("--shape", type=click.Choice(sorted(__import__("batchgen.bench", fromlist=["SHAPES"]).SHAPES)), default=None,
+@click.option("--shape", type=click.Choice(sorted(SHAPES)), default=None,
               help="Random weights of a real model shape instead of --model.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
               help="Both sides' dtype (default: bfloat16 for --shape, as stored for a model).")

@@ -108,3 +108,36 @@ class RunConfig:
     quiet: bool = False
     fsync: bool = True
     retry_failed: bool = False
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What the run's settings and the job's overrides resolve to."""
+
+    decode: DecodeConfig
+    kv: KVConfig
+
+    @property
+    def kv_kind(self) -> str:
+        return "fp16" if self.kv.kind == "fp16" else f"turboquant-{self.kv.bits}"
+
+
+# Real model shapes (random weights) for `batchgen bench --shape`: data only,
+# so the command line can list them without loading MLX.
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen3-moe-small": dict(model_type="qwen3_moe", hidden_size=1024, num_hidden_layers=16,
+                            intermediate_size=3072, num_attention_heads=16, num_key_value_heads=4,
+                            head_dim=64, num_experts=16, num_experts_per_tok=4,
+                            moe_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
+                            norm_topk_prob=True, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=384,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}  # fmt: skip
+SHAPE_COMMON = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                    max_position_embeddings=65536, vocab_size=151936)  # fmt: skip

@@ -265,7 +265,7 @@ def _silence_stdout() -> None:
 
 def _load_engine(cfg: RunConfig):
     timer = Timer()  # mlx-lm's first import (transformers) is part of loading
-    from .engine import Engine, ModelLoadError
+    from .engine.core import Engine, ModelLoadError
 
     try:
         engine = Engine.load(cfg.engine)
@@ -276,7 +276,7 @@ def _load_engine(cfg: RunConfig):
 
 
 def _start_summary(cfg: RunConfig, engine) -> RunSummary:
-    from .engine import device_name
+    from .engine.core import device_name
 
     d = engine.config.decode  # as resolved for this device
     s = RunSummary(

@@ -23,7 +23,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from batchgen import attention
+from batchgen.kernels import attention
 
 ENTRY_POINTS = ("fused_step_attention", "batch_step_attention", "batch_decode_attention")
 TURBOQUANT_BATCH_KERNEL = ("STEP_SOURCE", "STEP_HEADER")  # turboquant_batch's step kernel
@@ -40,7 +40,7 @@ def load_baseline(path: Path, names: tuple = ENTRY_POINTS) -> dict:
 
 
 if __name__ == "__main__":
-    from batchgen import turboquant_batch
+    from batchgen.cache import turboquant_rows as turboquant_batch
     from batchgen.cli import main
 
     target, names, args = attention, ENTRY_POINTS, sys.argv[1:]

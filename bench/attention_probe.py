@@ -33,7 +33,7 @@ from attention_baseline import load_baseline  # noqa: E402
 from batch_step import _compiled_steps, _filled, step_model  # noqa: E402
 from projection_probe import patched  # noqa: E402
 
-from batchgen import attention  # noqa: E402
+from batchgen.kernels import attention  # noqa: E402
 
 
 def kernel_us(decode, rows: int, context: int, heads: int, kv_heads: int, dim: int, launches: int) -> float:

@@ -39,7 +39,7 @@ def overhead(model_dir: Path, jobs_path: Path, rounds: int) -> dict:
     from mlx_lm import generate
 
     from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig
-    from batchgen.engine import Engine
+    from batchgen.engine.core import Engine
     from batchgen.jobs import Job, iter_jobs, scan_jobs
 
     cfg = EngineConfig(model=str(model_dir), fuse=False, decode=DecodeConfig(draft="none"),

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from batchgen import entering
-from batchgen.batch import BatchScheduler
+from batchgen.engine import entering
+from batchgen.engine.scheduler import BatchScheduler
 from batchgen.bench import BenchConfig, _repeat_jobs, bench_jobs, load_pair
-from batchgen.compiled_step import CompiledSteps
+from batchgen.step.compiled import CompiledSteps
 from batchgen.config import DEMO_MODEL_DIR, EngineConfig, KVConfig
-from batchgen.engine import Engine
+from batchgen.engine.core import Engine
 
 
 _peak = [0]  # the run's peak memory, bytes, across the resets below
@@ -51,7 +51,7 @@ def _timed_passes(log: list) -> None:
     (shared or single); `peak_before_gb`: the peak since the previous pass
     (decode steps, placing rows)."""
     real = entering.prefill_rows
-    single = Engine._prefill
+    single = Engine.prefill_tokens
 
     def timed_single(self, cache, tokens, logits=False):
         before = _pass_peak()
@@ -75,7 +75,7 @@ def _timed_passes(log: list) -> None:
         return out
 
     entering.prefill_rows = timed
-    Engine._prefill = timed_single
+    Engine.prefill_tokens = timed_single
 
 
 def _synced_steps(log: list) -> None:
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     if a.flash_min_queries is not None:
-        from batchgen import turboquant
+        from batchgen.cache import turboquant
 
         turboquant.FLASH_MIN_QUERIES = a.flash_min_queries
     engine_cfg = EngineConfig(model=a.model, batch_size=a.batch, compiled_batch_step=not a.uncompiled,

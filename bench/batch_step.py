@@ -33,11 +33,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from batchgen.attention import install_short_attention, mark_cache, uninstall_short_attention
+from batchgen.kernels.attention import install_short_attention, mark_cache, uninstall_short_attention
 from batchgen.bench import random_model
-from batchgen.compiled_step import CompiledSteps
-from batchgen.turboquant_kernels import available as cuda_available
-from batchgen.fusion import fuse_model
+from batchgen.step.compiled import CompiledSteps
+from batchgen.kernels.turboquant import available as cuda_available
+from batchgen.transforms.fusion import fuse_model
 
 
 def step_model(shape: str):

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from batch_step import _filled  # noqa: E402
 
-from batchgen.attention import install_short_attention, uninstall_short_attention  # noqa: E402
-from batchgen.batch_pld import cut_rejected  # noqa: E402
+from batchgen.kernels.attention import install_short_attention, uninstall_short_attention  # noqa: E402
+from batchgen.engine.batch_pld import cut_rejected  # noqa: E402
 from batchgen.bench import random_model  # noqa: E402
-from batchgen.fusion import fuse_model  # noqa: E402
+from batchgen.transforms.fusion import fuse_model  # noqa: E402
 
 
 def _ms(fn, n: int) -> float:

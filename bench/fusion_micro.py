@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from batchgen.fusion import fuse_model  # noqa: E402
+from batchgen.transforms.fusion import fuse_model  # noqa: E402
 
 _DENSE = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1e6)
 _MOE = dict(

@@ -51,8 +51,8 @@ def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
     import mlx.core as mx
     from batch_step import _compiled_steps, _filled, step_model
 
-    from batchgen.compiled_step import CompiledSteps
-    from batchgen.turboquant_kernels import available
+    from batchgen.step.compiled import CompiledSteps
+    from batchgen.kernels.turboquant import available
 
     model, _ = step_model(shape)
     cache = _filled(model, rows, context, True, True)

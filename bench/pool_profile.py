@@ -19,10 +19,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from batchgen.attention import uninstall_short_attention
+from batchgen.kernels.attention import uninstall_short_attention
 from batchgen.bench import BenchConfig, bench_jobs, random_model
 from batchgen.config import DEMO_MODEL_DIR, DecodeConfig, EngineConfig
-from batchgen.engine import Engine, load_model
+from batchgen.engine.core import Engine, load_model
 
 
 def _ms(start: float) -> float:
@@ -44,7 +44,7 @@ def next_steps(model, cache, token: int) -> tuple[float, float]:
 def prompt_pass(engine: Engine, cache: list, tokens: list[int]) -> tuple[float, int]:
     """Prefill `tokens` and read the first token back: (ms, token)."""
     start = time.perf_counter()
-    token = mx.argmax(engine._prefill(cache, tokens, logits=True), axis=-1).item()
+    token = mx.argmax(engine.prefill_tokens(cache, tokens, logits=True), axis=-1).item()
     return _ms(start), token
 
 

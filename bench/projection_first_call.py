@@ -11,7 +11,7 @@ import time
 
 import mlx.core as mx
 
-from batchgen.projection import available, project, takes
+from batchgen.kernels.projection import available, project, takes
 
 SHAPES = [(2, 1152, 896, True), (2, 896, 896, False), (2, 9728, 896, False), (2, 896, 4864, False),
           (4, 896, 896, False), (8, 1152, 896, True)]  # (rows, n, k, bias) fmt: skip

@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from batch_step import _compiled_steps, _filled  # noqa: E402
 
-from batchgen import projection  # noqa: E402
-from batchgen.attention import install_short_attention  # noqa: E402
+from batchgen.kernels import projection  # noqa: E402
+from batchgen.kernels.attention import install_short_attention  # noqa: E402
 from batchgen.bench import random_model  # noqa: E402
-from batchgen.compiled_step import CompiledSteps  # noqa: E402
-from batchgen.fusion import fuse_model  # noqa: E402
-from batchgen.turboquant_kernels import available as cuda_available  # noqa: E402
+from batchgen.step.compiled import CompiledSteps  # noqa: E402
+from batchgen.transforms.fusion import fuse_model  # noqa: E402
+from batchgen.kernels.turboquant import available as cuda_available  # noqa: E402
 
 
 SWEEP_ROWS = 32  # rows up to which the sweep gives products to the kernel (four column tiles)

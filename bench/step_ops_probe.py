@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from batch_step import _compiled_steps, _filled, step_model  # noqa: E402
 
-from batchgen.compiled_step import CompiledSteps  # noqa: E402
-from batchgen.turboquant_kernels import available as cuda_available  # noqa: E402
+from batchgen.step.compiled import CompiledSteps  # noqa: E402
+from batchgen.kernels.turboquant import available as cuda_available  # noqa: E402
 
 
 class _Skip(nn.Module):

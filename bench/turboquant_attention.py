@@ -26,8 +26,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from batchgen import turboquant as tq
-from batchgen import turboquant_kernels
+from batchgen.cache import turboquant as tq
+from batchgen.kernels import turboquant as turboquant_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
 from projection_probe import patched  # noqa: E402

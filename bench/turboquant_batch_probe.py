@@ -33,11 +33,11 @@ from attention_baseline import TURBOQUANT_BATCH_KERNEL, load_baseline  # noqa: E
 from batch_step import _compiled_steps, _filled, _timed, step_model  # noqa: E402
 from projection_probe import patched  # noqa: E402
 
-from batchgen import turboquant, turboquant_batch  # noqa: E402
-from batchgen.compiled_step import CompiledSteps, fit_capacity  # noqa: E402
-from batchgen.engine import prefill  # noqa: E402
-from batchgen.turboquant_batch import TurboQuantBatchLayer, TurboQuantStepCache  # noqa: E402
-from batchgen.turboquant_kernels import available as cuda_available  # noqa: E402
+from batchgen.cache import turboquant, turboquant_rows as turboquant_batch  # noqa: E402
+from batchgen.step.compiled import CompiledSteps, fit_capacity  # noqa: E402
+from batchgen.decode.passes import prefill  # noqa: E402
+from batchgen.cache.turboquant_rows import TurboQuantBatchLayer, TurboQuantStepCache  # noqa: E402
+from batchgen.kernels.turboquant import available as cuda_available  # noqa: E402
 
 
 def turboquant_rows(model, rows: int, context: int, bits: int) -> list:

@@ -30,8 +30,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from batchgen import turboquant as tq
-from batchgen import turboquant_kernels
+from batchgen.cache import turboquant as tq
+from batchgen.kernels import turboquant as turboquant_kernels
 from batchgen.bench import random_model
 
 sys.path.insert(0, "bench")

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchgen import turboquant as tq  # noqa: E402
+from batchgen.cache import turboquant as tq  # noqa: E402
 from batchgen.bench import answer_nll, greedy_ids, prefix_agreement  # noqa: E402
 
 

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from batchgen import turboquant as tq  # noqa: E402
+from batchgen.cache import turboquant as tq  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Variant specs

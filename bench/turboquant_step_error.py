@@ -14,7 +14,7 @@ import mlx.core as mx
 sys.path.insert(0, "tests")
 import test_turboquant_step as T  # noqa: E402  (the reference lives with its tests)
 
-from batchgen import turboquant_kernels as kernels  # noqa: E402
+from batchgen.kernels import turboquant as kernels  # noqa: E402
 
 SHAPES = [((28, 4), 128, 3000), ((14, 2), 64, 700), ((32, 2), 64, 900)]  # (heads, kv heads), D, positions
 STEPS = 20

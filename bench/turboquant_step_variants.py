@@ -22,7 +22,7 @@ import time
 
 import mlx.core as mx
 
-from batchgen import turboquant_kernels as kernels
+from batchgen.kernels import turboquant as kernels
 
 sys.path.insert(0, "bench")
 from turboquant_attention import SHAPES, baseline_module, filled_turboquant, step_arguments  # noqa: E402

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
-from batchgen import attention
+from batchgen.kernels import attention
 
 pytestmark = pytest.mark.skipif(not attention._cuda(), reason="needs MLX with a CUDA GPU")
 
@@ -93,9 +93,9 @@ def compiled_steps_against_uncompiled(kernel: bool, steps: int = 40, fused: bool
     that the step runs through `step_forward` (and, with `kernel`, the fused
     step kernel); else through the model's own layers."""
     from batchgen.bench import random_model
-    from batchgen.compiled_step import CompiledSteps
-    from batchgen.fusion import fuse_model
-    from batchgen.step_forward import make_step_forward
+    from batchgen.step.compiled import CompiledSteps
+    from batchgen.transforms.fusion import fuse_model
+    from batchgen.step.forward import make_step_forward
 
     model, _ = random_model("qwen2.5-0.5b", "float32", None, 0)
     if fused:

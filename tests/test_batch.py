@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
-from batchgen.engine import Engine
+from batchgen.engine.core import Engine
 from batchgen.jobs import BadJob, NATIVE
 
 from test_engine import make_job
@@ -39,8 +39,7 @@ def jobs(sampling=None):
 def record_passes(monkeypatch) -> list:
     """Each shared prompt pass (`entering.prefill_rows`) from now on, as (rows,
     tails, length, tokens cached before it)."""
-    import batchgen.entering as ent
-
+    import batchgen.engine.entering as ent
     passes = []
     real = ent.prefill_rows
 
@@ -110,7 +109,7 @@ def test_failing_job_fails_alone(model_dir):
 def test_memory_budget_limits_rows(model_dir):
     path = model_dir("qwen2")
     e = engine(path, 8)
-    from batchgen.batch import BatchScheduler
+    from batchgen.engine.scheduler import BatchScheduler
 
     sched = BatchScheduler(e, 8, kv_budget_bytes=1)  # room for one row at a time
     live_max = 0
@@ -131,8 +130,8 @@ def test_compiled_step_across_capacity_changes(model_dir):
     """Rows that outgrow the step's buffers (recorded anew at each capacity)
     and fill its recent window many times over, a long prompt entering beside
     short rows (left growth), padding cut when it leaves: the sequential texts."""
-    from batchgen.batch import BatchScheduler
-    from batchgen.compiled_step import WINDOW
+    from batchgen.engine.scheduler import BatchScheduler
+    from batchgen.step.compiled import WINDOW
 
     path = model_dir("qwen2")
     items = [make_job(TEXTS[0], max_tokens=300, job_id="long-out"),
@@ -162,8 +161,8 @@ def test_a_step_that_cannot_be_recorded_falls_back_to_uncompiled(model_dir, monk
     window is flushed, the batch steps uncompiled, texts as one by one."""
     import logging
 
-    import batchgen.compiled_step as cs
-    from batchgen.batch import BatchScheduler
+    import batchgen.step.compiled as cs
+    from batchgen.engine.scheduler import BatchScheduler
 
     path = model_dir("qwen2")
     seq = {r.id: r.text for r in engine(path, 1).run_all(jobs())}
@@ -192,13 +191,13 @@ def test_a_step_that_cannot_be_recorded_falls_back_to_uncompiled(model_dir, monk
 def test_budget_counts_the_buffers_as_the_step_holds_them(model_dir):
     """A budget that holds four rows of the longest job's tokens, but not the
     step's buffers for them (rounded up, plus the window): one row at a time."""
-    from batchgen.batch import BatchScheduler
-    from batchgen.compiled_step import held_positions
+    from batchgen.engine.scheduler import BatchScheduler
+    from batchgen.step.compiled import held_positions
 
     path = model_dir("qwen2")
     e = engine(path, 4)
     longest = max(len(e.prompt_tokens(j)) + j.max_tokens for j in jobs())
-    sched = BatchScheduler(e, 4, kv_budget_bytes=4 * held_positions(longest) * e._kv_bytes_per_token()[0] - 1)
+    sched = BatchScheduler(e, 4, kv_budget_bytes=4 * held_positions(longest) * e.kv_bytes_per_token()[0] - 1)
     assert 4 * longest * sched.per_token <= sched.budget
     live_max = 0
     real_read = sched._read
@@ -225,7 +224,7 @@ def test_hybrid_model_falls_back_to_sequential(model_dir, caplog):
 
 
 def test_auto_size_fits_the_budget():
-    from batchgen.batch import BatchScheduler
+    from batchgen.engine.scheduler import BatchScheduler
 
     assert BatchScheduler.auto_size(10_000, per_token_bytes=10, tokens_per_job=100) == 10
     assert BatchScheduler.auto_size(10, per_token_bytes=10, tokens_per_job=100) == 1
@@ -236,7 +235,7 @@ def test_auto_size_fits_the_budget():
 def test_unset_batch_size_takes_the_device_default(model_dir, monkeypatch, device_default, expected):
     """A CPU runs one job at a time; a GPU sizes the batch to the KV budget, capped by
     the number of jobs (7 here, far below what the budget holds for a tiny model)."""
-    from batchgen import engine as engine_module
+    from batchgen.engine import core as engine_module
 
     monkeypatch.setattr(engine_module, "default_batch_size", lambda: device_default)
     assert engine(model_dir("qwen2"), None).resolve_batch_size(total=len(TEXTS)) == expected
@@ -248,7 +247,7 @@ def test_resume_mid_batch(model_dir, tmp_path, monkeypatch, extra):
 
     from click.testing import CliRunner
 
-    from batchgen.batch import BatchScheduler
+    from batchgen.engine.scheduler import BatchScheduler
     from batchgen.cli import main
 
     path = tmp_path / "jobs.jsonl"
@@ -282,8 +281,7 @@ def test_resume_mid_batch(model_dir, tmp_path, monkeypatch, extra):
 def test_entering_jobs_share_one_prompt_pass(model_dir, monkeypatch, pad):
     """Jobs entering together are prefilled as rows of one pass (padded: rows
     and length to powers of two); texts and token counts as one by one."""
-    import batchgen.engine as eng
-
+    import batchgen.engine.core as eng
     path = model_dir("qwen2")
     seq = {r.id: r for r in engine(path, 1).run_all(jobs())}
     passes = record_passes(monkeypatch)
@@ -303,9 +301,8 @@ def test_entering_jobs_of_unlike_lengths_split_into_passes_where_passes_cost_lit
     """Where a pass costs little beside its tokens (a large model), entering rows
     of very different tails take passes by length instead of one padded to the
     longest: fewer tokens computed, texts and token counts as one by one."""
-    import batchgen.engine as eng
-    import batchgen.entering as ent
-
+    import batchgen.engine.core as eng
+    import batchgen.engine.entering as ent
     path = model_dir("qwen2")
     seq = {r.id: r for r in engine(path, 1).run_all(jobs())}
     e = engine(path, 8)
@@ -332,7 +329,7 @@ def test_a_pass_costs_fewer_tokens_of_a_larger_model():
     """`pass_cost_tokens`: PASS_OVERHEAD_S x PROMPT_FLOPS / (2 x parameters)."""
     import mlx.nn as nn
 
-    from batchgen.entering import PASS_OVERHEAD_S, PROMPT_FLOPS, pass_cost_tokens
+    from batchgen.engine.entering import PASS_OVERHEAD_S, PROMPT_FLOPS, pass_cost_tokens
 
     class Stack(nn.Module):
         def __init__(self, width: int):
@@ -373,8 +370,8 @@ def test_pool_hits_a_little_longer_are_cut_back_to_share_a_pass(model_dir, monke
     one of three entering prompts. Where passes are padded (a GPU) that hit is
     cut back to the system prompt's and all three share one pass; elsewhere it
     keeps its longer hit and a pass of its own. Texts as one by one."""
-    import batchgen.engine as eng
-    import batchgen.entering as ent
+    import batchgen.engine.core as eng
+    import batchgen.engine.entering as ent
     from batchgen.jobs import Job
 
     system = "You are a helpful assistant. Answer briefly and exactly."
@@ -410,7 +407,7 @@ def test_merged_hits_keep_a_hit_whose_tail_gets_a_pass_of_its_own():
     step (here 8). Prompt 1's would be 14 tokens: it keeps its 10 cached."""
     from mlx_lm.models.cache import KVCache
 
-    from batchgen.entering import _merge_hits
+    from batchgen.engine.entering import _merge_hits
 
     def cached(n):
         c = KVCache()
@@ -425,8 +422,7 @@ def test_merged_hits_keep_a_hit_whose_tail_gets_a_pass_of_its_own():
 
 
 def test_row_groups_split_by_pass_size(monkeypatch):
-    import batchgen.entering as ent
-
+    import batchgen.engine.entering as ent
     monkeypatch.setattr(ent, "GROUP_TOKENS", 1000)
     tails = {0: 100, 1: 120, 2: 200, 3: 300, 4: 600}
     # passes dear: the fewest within the bound, then the fewest tokens (not [[0, 1, 2], [3], [4]])
@@ -441,9 +437,8 @@ def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model
     """Three copies of one prompt and three prompts sharing a long block enter in
     one round: the copies take the first one's cache (all tokens cached), the
     block gets one pass of its own; texts as one by one."""
-    import batchgen.engine as eng
-    import batchgen.entering as ent
-
+    import batchgen.engine.core as eng
+    import batchgen.engine.entering as ent
     block = "Example: def add(a, b):\n    return a + b\n" * 6
     texts = [TEXTS[0]] * 3 + [block + q for q in ("hi", "The quick brown fox", "x = 1")]
     batch = [make_job(t, max_tokens=8, job_id=f"d{i}") for i, t in enumerate(texts)]
@@ -470,9 +465,8 @@ def test_duplicate_and_shared_prompts_entering_together_are_prefilled_once(model
 
 def test_a_prompt_seen_before_enters_without_a_pass(model_dir, monkeypatch):
     """Its pool hit leaves one token: the batch's next step feeds it, no pass of its own."""
-    import batchgen.engine as eng
-    import batchgen.entering as ent
-
+    import batchgen.engine.core as eng
+    import batchgen.engine.entering as ent
     batch = [make_job(t, max_tokens=n, job_id=f"r{i}") for i, (t, n) in enumerate(zip(TEXTS[:2] * 2, [6, 9, 7, 5]))]
     path = model_dir("qwen3")
     seq = {r.id: r for r in engine(path, 1).run_all(batch)}
@@ -495,8 +489,8 @@ def test_a_prompt_seen_before_enters_without_a_pass(model_dir, monkeypatch):
 def test_host_copy_of_left_padding_follows_the_caches(model_dir, monkeypatch):
     """Compaction reads the host's copy of each row's left padding (reading the
     device's would drain the step pipeline): it must equal the caches' own."""
-    import batchgen.batch as batch_mod
-    from batchgen.batch import BatchScheduler
+    import batchgen.engine.scheduler as batch_mod
+    from batchgen.engine.scheduler import BatchScheduler
 
     monkeypatch.setattr(batch_mod, "_COMPACT_PAD", 2)
     monkeypatch.setattr(batch_mod, "_COMPACT_EVERY", 2)
@@ -522,7 +516,7 @@ def test_freed_rows_are_emptied_and_the_batch_shrinks_only_where_told(model_dir,
     layer (its attention reads nothing of the job that left); the batch drops
     its empty rows at the end only where `shrinks` (not on the step kernels'
     path); the texts are the sequential ones either way."""
-    from batchgen.batch import BatchScheduler
+    from batchgen.engine.scheduler import BatchScheduler
 
     path = model_dir("qwen2")
     cfg = KVConfig(kind=kv, bits=4)
@@ -552,7 +546,7 @@ def test_jobs_sharing_a_prefix_enter_together(model_dir, monkeypatch):
     """Interleaved jobs of two system prompts: read ahead and put in prefix
     order, each admission round holds one system prompt's jobs (one shared pass
     each); texts as one by one."""
-    from batchgen.batch import prefix_key, read_ahead
+    from batchgen.engine.scheduler import prefix_key, read_ahead
     from batchgen.jobs import Job
 
     systems = ["You are terse.", "Answer in French, please, always."]
@@ -581,7 +575,7 @@ def test_step_cache_view():
     row's padding)."""
     import mlx.core as mx
 
-    from batchgen.compiled_step import StepCache, capacity_for, held_positions
+    from batchgen.step.compiled import StepCache, capacity_for, held_positions
 
     assert [capacity_for(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 768]
     assert [held_positions(n) for n in (1, 224, 225, 1000)] == [288, 288, 544, 1312]
@@ -605,7 +599,7 @@ def test_a_pass_evaluated_layer_by_layer_is_the_same_pass(model_dir, arch):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from batchgen.entering import layer_by_layer, prefill_rows
+    from batchgen.engine.entering import layer_by_layer, prefill_rows
 
     model, _ = load(str(model_dir(arch)))
     layers = list(model.model.layers)

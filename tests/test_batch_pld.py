@@ -6,9 +6,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
-from batchgen.batch_pld import BatchDraftPolicy, accepted_prefix, cut_rejected, verify_inputs
+from batchgen.engine.batch_pld import BatchDraftPolicy, accepted_prefix, cut_rejected, verify_inputs
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
-from batchgen.engine import Engine
+from batchgen.engine.core import Engine
 from batchgen.jobs import NATIVE, BadJob
 
 from test_batch import LENGTHS, TEXTS
@@ -158,13 +158,13 @@ def test_batched_pld_greedy_equals_plain_greedy(model_dir, arch, batch_size, com
 def test_batched_pld_through_short_attention(model_dir, arch):
     """The plain-op attention that serves verify passes on CUDA (one
     `BatchKVCache` pass of width positions a row) keeps the texts exact."""
-    from batchgen.attention import uninstall_short_attention
+    from batchgen.kernels.attention import uninstall_short_attention
 
     path = model_dir(arch)
     seq = {r.id: r for r in engine(path, 1, draft="none").run_all(jobs())}
     e = engine(path, 4, short_attention=True)
     calls = []
-    from batchgen import attention
+    from batchgen.kernels import attention
 
     real = attention.short_attention
     attention.short_attention = lambda q, *a: calls.append(q.shape[2]) or real(q, *a)
@@ -254,7 +254,7 @@ def test_rows_cut_back_by_rejections_are_compacted(model_dir, monkeypatch):
     """Every pass grows the padding of rows that rejected drafts; the part all
     rows share is cut, so each pass starts with the buffers less than
     compaction's threshold past the longest row."""
-    from batchgen import batch
+    from batchgen.engine import scheduler as batch
 
     path = model_dir("llama")
     long = [make_job(t, max_tokens=90, job_id=f"l{i}") for i, t in enumerate(LOOPY)]

@@ -163,7 +163,7 @@ def test_resume_refuses_a_foreign_output_file(tmp_path, model):
 
 
 def test_interrupted_run_keeps_finished_lines_and_resumes(tmp_path, model, monkeypatch):
-    from batchgen.engine import Engine
+    from batchgen.engine.core import Engine
 
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(4))
     out = tmp_path / "out.jsonl"
@@ -275,7 +275,7 @@ def test_draft_auto_resolves_to_pld(tmp_path, model):
 def test_turboquant_run_batches_over_its_cache_where_the_device_would_batch(tmp_path, model, monkeypatch):
     """On a GPU the default batches; with TurboQuant the rows hold its codes
     (auto sizes the batch to them); --batch-size 1 runs jobs one at a time."""
-    from batchgen import engine as engine_module
+    from batchgen.engine import core as engine_module
 
     monkeypatch.setattr(engine_module, "default_batch_size", lambda: "auto")
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))

@@ -13,7 +13,7 @@ from tiny import ARCHS
 
 
 def tq_engine(path, draft="none", pool=False, static=False, bits=4):
-    from batchgen.engine import Engine
+    from batchgen.engine.core import Engine
 
     cfg = EngineConfig(
         model=str(path), fuse=True, kv=KVConfig(kind="turboquant", bits=bits),
@@ -61,7 +61,7 @@ def test_pool_with_turboquant_slots_equals_no_pool(model_dir, arch):
 
 
 def test_turboquant_holds_under_a_third_of_fp16_bytes(model_dir):
-    from batchgen.engine import Engine
+    from batchgen.engine.core import Engine
 
     path = model_dir("qwen2", max_position_embeddings=4096)
     long_text = "def add(a, b):\n    return a + b\n" * 60

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.config import DEMO_MODEL_DIR, DecodeConfig, EngineConfig, PromptCacheConfig
-from batchgen.engine import Engine
+from batchgen.engine.core import Engine
 from batchgen.jobs import Job, iter_jobs, scan_jobs
 
 EDITS = Path(__file__).resolve().parents[1] / "jobs" / "edits.jsonl"

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm import generate
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
-from batchgen.engine import Engine
+from batchgen.engine.core import Engine
 from batchgen.jobs import NATIVE, Job
 
 from tiny import ARCHS
@@ -151,7 +151,7 @@ def test_logits_at_projects_one_position_exactly(model_dir, arch, tied):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from batchgen.engine import logits_at, split_head
+    from batchgen.decode.passes import logits_at, split_head
 
     model, _ = load(str(model_dir(arch, tie_word_embeddings=tied)))
     assert split_head(model) is not None
@@ -167,7 +167,7 @@ def test_logits_at_falls_back_to_the_whole_pass_for_other_models(model_dir):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from batchgen.engine import logits_at, split_head
+    from batchgen.decode.passes import logits_at, split_head
 
     model, _ = load(str(model_dir("llama")))
     model.args.model_type = "some_new_arch"  # its __call__ may do more than head(backbone(x))
@@ -183,7 +183,7 @@ def test_prompt_pass_gives_the_first_token(model_dir, pad):
     own; chunked, padded or not, the logits equal a single whole-prompt pass's."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from batchgen.engine import prefill
+    from batchgen.decode.passes import prefill
 
     engine = make_engine(model_dir("qwen2"))
     tokens = engine.prompt_tokens(make_job(USER_TEXTS[0]))
@@ -198,7 +198,7 @@ def test_prompt_pass_gives_the_first_token(model_dir, pad):
     assert (r.usage.completion_tokens, r.stats.forward_passes, r.finish_reason) == (1, 1, "length")
 
 
-@pytest.mark.parametrize("module,examples", [("engine", 1), ("entering", 4), ("batch", 1), ("compiled_step", 3)])
+@pytest.mark.parametrize("module,examples", [("decode.passes", 1), ("engine.entering", 4), ("engine.scheduler", 1), ("step.compiled", 2), ("kernels.attention", 1)])
 def test_docstring_examples(module, examples):
     import doctest
     import importlib

@@ -14,13 +14,7 @@ from mlx_lm.models import mamba, phi3, qwen3_5_moe
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from batchgen.fusion import (
-    KEEP_FALLBACK_ENV,
-    FusedSlice,
-    FusionReport,
-    fuse_model,
-    use_fallback,
-)
+from batchgen.transforms.fusion import KEEP_FALLBACK_ENV, FusedSlice, FusionReport, fuse_model, use_fallback
 from tiny import build_model
 
 DECODE_STEPS = 20

@@ -9,8 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from batchgen import attention
-from batchgen.turboquant_kernels import available
+from batchgen.kernels import attention
+from batchgen.kernels.turboquant import available
 
 
 def test_launch_makes_a_kernel_for_each_source_of_a_name(monkeypatch):

@@ -15,7 +15,7 @@ import subprocess
 import mlx.core as mx
 import pytest
 
-from batchgen import turboquant_kernels as K
+from batchgen.kernels import turboquant as K
 
 nvcc = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(nvcc is None, reason="needs nvcc")
@@ -86,7 +86,7 @@ def test_step_kernels_compile(tmp_path, dim, group, bits, dtype):
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
 def test_batch_attention_kernels_compile(tmp_path, dtype):
-    from batchgen import attention as A
+    from batchgen.kernels import attention as A
 
     template = [("D", 64), ("HQ", 14), ("HKV", 2), ("HT", 18), ("WARPS", A._DECODE_WARPS),
                 ("UNROLL", A._DECODE_UNROLL)]  # fmt: skip
@@ -104,9 +104,9 @@ def test_batch_attention_kernels_compile(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
 @pytest.mark.parametrize("dim,bits", [(64, 4), (128, 3)])
 def test_turboquant_batch_step_kernels_compile(tmp_path, dtype, dim, bits):
-    from batchgen import attention as A
-    from batchgen import turboquant_batch as T
-    from batchgen.turboquant import resolve_bits
+    from batchgen.kernels import attention as A
+    from batchgen.cache import turboquant_rows as T
+    from batchgen.cache.turboquant import resolve_bits
 
     layout = T.Layout(*resolve_bits(bits), 4, 8, 0, dim, dim, mx.bfloat16)
     assert T.kernel_fits(layout)
@@ -125,7 +125,7 @@ def test_turboquant_batch_step_kernels_compile(tmp_path, dtype, dim, bits):
 
 @pytest.mark.parametrize("rows,n,bias", [(1, 896, False), (8, 9728, True), (13, 1152, False), (32, 37888, True)])
 def test_projection_kernel_compiles(tmp_path, rows, n, bias):
-    from batchgen import projection as P
+    from batchgen.kernels import projection as P
 
     inputs = [(name, "bf16") for name in P.INPUTS]
     outputs = [(name, "bf16") for name in P.OUTPUTS]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
-from batchgen.engine import Engine
-from batchgen.pld import DraftPolicy, find_draft
+from batchgen.engine.core import Engine
+from batchgen.decode.pld import DraftPolicy, find_draft
 
 from test_engine import USER_TEXTS, make_job
 from tiny import ARCHS
@@ -85,7 +85,7 @@ def test_best_start_ranks_as_a_plain_scan_does():
     the latest on ties; periodic text (many full agreements) and random text."""
     import random
 
-    from batchgen.pld import _RANK_CONTEXT, _best_start
+    from batchgen.decode.pld import _RANK_CONTEXT, _best_start
 
     def reference(a, starts, n):
         def agree(s):
@@ -110,7 +110,7 @@ def test_best_start_ranks_as_a_plain_scan_does():
 def test_ngram_index_equals_find_draft_on_random_sequences():
     import random
 
-    from batchgen.pld import NgramIndex
+    from batchgen.decode.pld import NgramIndex
 
     rng = random.Random(0)
     for trial in range(30):
@@ -213,8 +213,8 @@ def test_pld_on_hybrid_recurrent_model_restores_state(model_dir):
 def test_sampled_verify_keeps_the_target_distribution(model_dir):
     """Accept draft d with p(d), else sample p without d: the first token's
     distribution must be p whatever the draft, checked over 3000 seeds."""
-    from batchgen.pld import accept_sampled
-    from batchgen.sampling import make_keys
+    from batchgen.decode.pld import accept_sampled
+    from batchgen.decode.sampling import make_keys
 
     vocab = 6
     logits = mx.array([[1.0, 0.5, 0.0, -0.5, 2.0, 0.2], [0.3, 0.1, 0.0, 1.5, -1.0, 0.0]])
@@ -235,8 +235,8 @@ def test_sampled_verify_keeps_the_target_distribution(model_dir):
 def test_sampled_verify_keeps_the_second_token_distribution():
     """Given the first draft token was kept, the second token follows the
     model's next distribution (row 1), whether the second draft is kept or not."""
-    from batchgen.pld import accept_sampled
-    from batchgen.sampling import make_keys
+    from batchgen.decode.pld import accept_sampled
+    from batchgen.decode.sampling import make_keys
 
     logits = mx.array([[0.0, 0.0, 0.0, 0.0, 3.0, 0.0], [0.3, 0.1, 0.0, 1.5, -1.0, 0.0], [0.0] * 6])
     s = SamplingConfig(temperature=1.0, seed=0)
@@ -264,7 +264,7 @@ def test_pld_sampling_is_reproducible_per_seed(model_dir):
 def test_short_attention_path_keeps_pld_exact(model_dir, arch):
     """The plain-op attention used for short passes on CUDA gives the same
     greedy text as the fused kernel (float32)."""
-    from batchgen.attention import uninstall_short_attention
+    from batchgen.kernels.attention import uninstall_short_attention
 
     path = model_dir(arch)
     reference = pld_engine(path)
@@ -282,7 +282,7 @@ def test_short_attention_path_keeps_pld_exact(model_dir, arch):
 
 
 def test_short_attention_matches_fused_kernel():
-    from batchgen.attention import short_attention
+    from batchgen.kernels.attention import short_attention
 
     mx.random.seed(0)
     for heads, kv_heads, L, S in [(4, 2, 6, 37), (8, 8, 2, 2), (6, 2, 17, 300)]:
@@ -301,7 +301,7 @@ def test_short_attention_over_left_padded_rows_stays_finite():
     queries through its cache), and the real positions as the fused kernel gives."""
     from mlx_lm.models.base import create_causal_mask
 
-    from batchgen.attention import short_attention
+    from batchgen.kernels.attention import short_attention
 
     mx.random.seed(1)
     q, k, v = mx.random.normal((2, 4, 6, 16)), mx.random.normal((2, 2, 6, 16)), mx.random.normal((2, 2, 6, 16))

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from batchgen import projection
-from batchgen.attention import _cuda, install_short_attention, mark_cache
-from batchgen.compiled_step import CompiledSteps
-from batchgen.fusion import fuse_model
+from batchgen.kernels import projection
+from batchgen.kernels.attention import _cuda, install_short_attention, mark_cache
+from batchgen.step.compiled import CompiledSteps
+from batchgen.transforms.fusion import fuse_model
 from mlx_lm.models.cache import BatchKVCache
 
 cuda = pytest.mark.skipif(not _cuda(), reason="needs MLX with a CUDA GPU")

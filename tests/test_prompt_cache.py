@@ -6,8 +6,9 @@ import mlx.core as mx
 import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig
-from batchgen.engine import Engine, padded_length, prefill
-from batchgen.prompt_cache import PromptPool, common_prefix_len, prewarm_prefix
+from batchgen.engine.core import Engine
+from batchgen.decode.passes import padded_length, prefill
+from batchgen.cache.pool import PromptPool, common_prefix_len, prewarm_prefix
 
 from test_engine import make_job
 from tiny import ARCHS
@@ -219,7 +220,7 @@ def test_slots_are_not_changed_by_jobs(model_dir):
     ],
 )
 def test_default_pool_bytes_reads_the_device_memory(monkeypatch, info, expected):
-    from batchgen import prompt_cache
+    from batchgen.cache import pool as prompt_cache
 
     monkeypatch.setattr(prompt_cache.mx, "device_info", lambda: info)
     assert prompt_cache.default_pool_bytes() == expected
@@ -229,7 +230,7 @@ def test_forget_keeps_only_pinned_slots():
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from batchgen.prompt_cache import PromptPool
+    from batchgen.cache.pool import PromptPool
 
     def cache():
         c = KVCache()

@@ -237,8 +237,7 @@ def test_max_tokens_is_capped_at_the_context(tmp_path, model):
 
 
 def test_a_job_too_large_for_memory_fails_alone(tmp_path, model, monkeypatch):
-    import batchgen.engine as engine
-
+    import batchgen.engine.core as engine
     jobs = write_jobs(tmp_path / "jobs.jsonl", 2, extra=[{"id": "big", "prompt": "x", "max_tokens": 2000}])
     monkeypatch.setattr(engine, "memory_limit", lambda: engine.mx.get_active_memory() + 200_000)
     out = tmp_path / "out.jsonl"

@@ -10,10 +10,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from batchgen.attention import install_short_attention, mark_cache
-from batchgen.compiled_step import CompiledSteps
-from batchgen.fusion import fuse_model
-from batchgen.step_forward import _unsupported, make_step_forward
+from batchgen.kernels.attention import install_short_attention, mark_cache
+from batchgen.step.compiled import CompiledSteps
+from batchgen.transforms.fusion import fuse_model
+from batchgen.step.forward import _unsupported, make_step_forward
 from mlx_lm.models.cache import BatchKVCache
 
 import tiny

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
-from batchgen import turboquant as tq
+from batchgen.cache import turboquant as tq
 
 from tiny import ARCHS
 

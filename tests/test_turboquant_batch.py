@@ -5,9 +5,9 @@ import mlx.core as mx
 import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
-from batchgen.engine import Engine
+from batchgen.engine.core import Engine
 
-from batchgen.turboquant_kernels import available as cuda_available
+from batchgen.kernels.turboquant import available as cuda_available
 
 from test_batch import TEXTS, jobs, record_passes
 from test_engine import make_job
@@ -52,7 +52,7 @@ def test_long_rows_cross_windows_sinks_and_capacities(model_dir):
     """Rows of 1-2 prompt tokens (their sinks written from the window), rows
     that outgrow the buffers and refill the window many times, a long prompt
     entering beside short rows (left growth) and padding cut when it leaves."""
-    from batchgen.batch import BatchScheduler
+    from batchgen.engine.scheduler import BatchScheduler
 
     path = model_dir("qwen2")
     items = [make_job(prompt="a", max_tokens=300, job_id="one-token"),
@@ -128,8 +128,7 @@ def test_a_row_entering_alone_takes_a_padded_pass(model_dir, monkeypatch):
     """Where passes are padded, a TurboQuant row entering alone is a pass of one
     row padded as the shared passes are (not a pass at its own length); texts
     as alone."""
-    import batchgen.engine as eng
-
+    import batchgen.engine.core as eng
     path = model_dir("qwen2")
     passes = record_passes(monkeypatch)
     e1, e2 = engine(path, 1), engine(path, 2)
@@ -154,8 +153,8 @@ def test_rows_hold_codes_not_fp16(model_dir):
     fp16's (codes and scales; the exact sinks, tail and window per row aside)."""
     path = model_dir("qwen2")
     e = engine(path, 3)
-    fp16_token, fp16_row = e._kv_bytes_per_token(KVConfig())
-    tq_token, tq_row = e._kv_bytes_per_token(KVConfig(kind="turboquant", bits=4))
+    fp16_token, fp16_row = e.kv_bytes_per_token(KVConfig())
+    tq_token, tq_row = e.kv_bytes_per_token(KVConfig(kind="turboquant", bits=4))
     assert fp16_row == 0 and tq_row > 0
     assert tq_token <= 0.30 * fp16_token
     got = run(e, jobs())
@@ -163,7 +162,7 @@ def test_rows_hold_codes_not_fp16(model_dir):
         tokens = r.usage.prompt_tokens + r.usage.completion_tokens
         assert r.stats.kv_bytes == tokens * tq_token + tq_row
     # what the layers hold after a run: codes over every column, the per-row exact parts
-    from batchgen.batch import BatchScheduler
+    from batchgen.engine.scheduler import BatchScheduler
 
     sched = BatchScheduler(e, 3, kv_budget_bytes=1 << 40)
     list(sched.run(jobs()[:3]))
@@ -174,8 +173,7 @@ def test_rows_hold_codes_not_fp16(model_dir):
 def test_a_step_that_cannot_be_recorded_steps_unrecorded(model_dir, monkeypatch, caplog):
     import logging
 
-    import batchgen.compiled_step as cs
-
+    import batchgen.step.compiled as cs
     path = model_dir("qwen2")
     alone = run(engine(path, 1), jobs())
     real = cs.make_step
@@ -211,9 +209,9 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
     fused projection, else its ops. `trimmed`: the long row's cache was cut
     back 20 positions (as a pool hit is), its exact copies of the window's
     older positions gone: alone it reads their codes, in the batch its tail."""
-    from batchgen.compiled_step import fit_capacity
-    from batchgen.turboquant import TurboQuantKVCache
-    from batchgen.turboquant_batch import TurboQuantBatchLayer, TurboQuantStepCache
+    from batchgen.step.compiled import fit_capacity
+    from batchgen.cache.turboquant import TurboQuantKVCache
+    from batchgen.cache.turboquant_rows import TurboQuantBatchLayer, TurboQuantStepCache
 
     mx.random.seed(0)
     H, G, D, steps, lengths = 2, 3, 64, 20, (3, 37)
@@ -270,8 +268,8 @@ def test_placing_decodes_only_positions_without_recent_copies(monkeypatch, trimm
     """A job's tail comes from its recent exact copies; only where a trim
     dropped them are codes decoded (for those positions alone), and the tail
     is the same either way as its own cache's exact parts and decoded codes."""
-    from batchgen import turboquant_batch as T
-    from batchgen.turboquant import TurboQuantKVCache
+    from batchgen.cache import turboquant_rows as T
+    from batchgen.cache.turboquant import TurboQuantKVCache
 
     decoded = []
     real = T.dequantize
@@ -311,15 +309,15 @@ def test_budget_counts_codes_and_exact_parts(model_dir, short):
     TurboQuant's bytes (codes a position, the exact parts a row) runs rows
     together, where fp16 bytes would allow one at a time; a byte less, one at
     a time."""
-    from batchgen.batch import BatchScheduler
-    from batchgen.compiled_step import held_positions
+    from batchgen.engine.scheduler import BatchScheduler
+    from batchgen.step.compiled import held_positions
 
     path = model_dir("qwen2")
     e = engine(path, 4)
     longest = max(len(e.prompt_tokens(j)) + j.max_tokens for j in jobs())
-    per_token, per_row = e._kv_bytes_per_token(KVConfig(kind="turboquant", bits=4))
+    per_token, per_row = e.kv_bytes_per_token(KVConfig(kind="turboquant", bits=4))
     budget = 4 * (held_positions(longest) * per_token + per_row) - short
-    assert budget < 4 * held_positions(longest) * e._kv_bytes_per_token()[0]
+    assert budget < 4 * held_positions(longest) * e.kv_bytes_per_token()[0]
     sched = BatchScheduler(e, 4, kv_budget_bytes=budget)
     live = []
     real_read = sched._read

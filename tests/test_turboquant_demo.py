@@ -13,7 +13,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from batchgen import turboquant as tq
+from batchgen.cache import turboquant as tq
 from batchgen.bench import answer_nll, greedy_ids, prefix_agreement
 from batchgen.config import DEMO_MODEL_DIR
 

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchgen import turboquant as tq
-from batchgen import turboquant_kernels as kernels
+from batchgen.cache import turboquant as tq
+from batchgen.kernels import turboquant as kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs MLX with a CUDA GPU")
 

@@ -17,8 +17,8 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from batchgen import turboquant as tq
-from batchgen import turboquant_kernels as kernels
+from batchgen.cache import turboquant as tq
+from batchgen.kernels import turboquant as kernels
 
 from test_turboquant import kv, random_tokens, teacher_forced_logits
 
@@ -263,7 +263,7 @@ cuda = pytest.mark.skipif(not kernels.available(), reason="needs MLX with a CUDA
 def test_encode_kernel_matches_quantize(dim, bits):
     x = mx.random.normal((2, 3, 50, dim), key=mx.random.key(1))
     rot = tq.rotation(dim, 3)
-    levels, edges = tq._codebook_arrays(bits)
+    levels, edges = tq.codebook_arrays(bits)
     codes, scales = kernels.encode(x, rot.signs, levels, edges, bits)
     want_codes, want_scales = tq.quantize(x, bits, rot)
     got = np.array(tq.unpack_codes(codes, bits, dim))

@@ -34,9 +34,30 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .compiled_step import StepCache, kernel_head_size
-from .turboquant_kernels import available as _cuda  # CUDA present, the default device a GPU
-from .turboquant_kernels import constant
+from .turboquant import available as _cuda  # CUDA present, the default device a GPU
+from .turboquant import constant
+
+# Head sizes the batch attention kernels take: D / 8 lanes read a position, a
+# power of two that divides a warp.
+KERNEL_HEAD_SIZES = (32, 64, 128, 256)
+
+
+def kernel_head_size(*arrays) -> bool:
+    """What the batch attention kernels (this module) take: one head size over
+    all these arrays, one of `KERNEL_HEAD_SIZES`.
+
+    >>> [kernel_head_size(mx.zeros((1, d))) for d in (32, 64, 96, 128, 256, 512)]
+    [True, True, False, True, True, False]
+    """
+    d = arrays[0].shape[-1]
+    return all(a.shape[-1] == d for a in arrays) and d in KERNEL_HEAD_SIZES
+
+
+def kernel_takes(*arrays) -> bool:
+    """A step kernel's needs: one dtype (it picks each position's pointer
+    from several buffers) and `kernel_head_size`."""
+    return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
+
 
 DEFAULT_MAX_QUERIES = 256
 _ATTR = "scaled_dot_product_attention"
@@ -85,7 +106,7 @@ def _wrap(inner, max_queries: int):
             if L == 1 and type(cache) is BatchKVCache and batch_decode_supported(queries, cache):
                 bounds = batch_cache_bounds(cache)
                 return batch_decode_attention(queries, cache.keys, cache.values, cache.left_padding, bounds, scale)
-        if type(cache) is StepCache and cache.new is not None:  # fed its token, not holding it
+        if getattr(cache, "steps_new_token", False) and cache.new is not None:  # a StepCache fed its token, not holding it
             return batch_step_attention(queries, cache, scale)
         return inner(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -351,7 +372,7 @@ def batch_decode_attention(queries: mx.array, k: mx.array, v: mx.array, left_pad
     return out[0]
 
 
-def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> mx.array:
+def batch_step_attention(queries: mx.array, cache, scale: float) -> mx.array:
     """The compiled step's attention: each row over its positions in the big
     buffers, the recent window and its own new token (`StepCache`); the new
     token's keys and values go into the window (cache.rkeys / rvalues are
@@ -365,7 +386,7 @@ def batch_step_attention(queries: mx.array, cache: StepCache, scale: float) -> m
     return out
 
 
-def fused_step_attention(roped: mx.array, heads: mx.array, cache: StepCache, scale: float) -> mx.array:
+def fused_step_attention(roped: mx.array, heads: mx.array, cache, scale: float) -> mx.array:
     """`batch_step_attention` for `step_forward`: `heads` (B, Hq + 2 Hkv, 1, D)
     is the fused q|k|v projection of the step's token, `roped` the same after
     RoPE; q and the new k are read from `roped`, the new v from `heads`.

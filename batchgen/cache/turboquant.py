@@ -109,7 +109,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from . import turboquant_kernels as _kernels
+from ..kernels import turboquant as _kernels
 
 # --------------------------------------------------------------------------------------
 # Codebooks
@@ -200,7 +200,7 @@ def codebook(bits: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=None)
-def _codebook_arrays(bits: int) -> Tuple[mx.array, mx.array]:
+def codebook_arrays(bits: int) -> Tuple[mx.array, mx.array]:
     levels = codebook(bits)
     return mx.array(levels), mx.array((levels[1:] + levels[:-1]) / 2)
 
@@ -348,7 +348,7 @@ def quantize(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]
     of |q.k| at no extra bytes (bench: lower attention error than the raw norm).
     """
     dim = x.shape[-1]
-    levels, edges = _codebook_arrays(bits)
+    levels, edges = codebook_arrays(bits)
     x = x.astype(mx.float32)
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
     y = rot.forward(x / mx.maximum(norm, 1e-30)) * math.sqrt(dim)
@@ -360,11 +360,11 @@ def quantize(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]
     return pack_codes(codes, bits), scale.squeeze(-1).astype(mx.float16)
 
 
-def _encode(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]:
+def encode(x: mx.array, bits: int, rot: Rotation) -> Tuple[mx.array, mx.array]:
     """`quantize`; on CUDA the kernel that step mode encodes with, so that a token's
     codes are the same whichever path stored it."""
     if STEP_KERNEL and rot.hadamard and _kernels.available() and _kernels.encode_supported(rot.dim):
-        levels, edges = _codebook_arrays(bits)
+        levels, edges = codebook_arrays(bits)
         return _kernels.encode(x, rot.signs, levels, edges, bits)
     return quantize(x, bits, rot)
 
@@ -553,8 +553,8 @@ class TurboQuantKVCache(_BaseCache):
     def _append_codes(self, keys, values, start: int):
         B, H, L, _ = keys.shape
         self._grow(B, H, start, start + L)
-        kc, kn = _encode(keys, self.key_bits, self._rotation(self.key_dim))
-        vc, vn = _encode(values, self.value_bits, self._rotation(self.value_dim))
+        kc, kn = encode(keys, self.key_bits, self._rotation(self.key_dim))
+        vc, vn = encode(values, self.value_bits, self._rotation(self.value_dim))
         stop = start + L
         self.key_codes[:, :, start:stop] = kc
         self.key_norms[:, :, start:stop] = kn
@@ -1057,8 +1057,8 @@ STEP_KERNEL = True
 @lru_cache(maxsize=None)
 def _step_books(dim: int, seed: int, key_bits: int, value_bits: int, scale: float) -> mx.array:
     """`turboquant_kernels.step_books` of a layer (keys and values share its rotation)."""
-    books = _kernels.step_books(rotation(dim, seed).signs, *_codebook_arrays(key_bits),
-                                *_codebook_arrays(value_bits), scale)  # fmt: skip
+    books = _kernels.step_books(rotation(dim, seed).signs, *codebook_arrays(key_bits),
+                                *codebook_arrays(value_bits), scale)  # fmt: skip
     mx.eval(books)
     return books
 
@@ -1107,7 +1107,7 @@ class CodedHistory:
         if self._fused(G * L, d, c.key_bits):
             codes = c.key_codes.reshape(B * H, *c.key_codes.shape[2:])
             scales = c.key_norms.reshape(B * H, -1)
-            table, _ = _codebook_arrays(c.key_bits)
+            table, _ = codebook_arrays(c.key_bits)
             s = _kernels.scores(q.reshape(B * H, G * L, d).astype(mx.float32), codes, scales, table, c.key_bits, n)
             return s.reshape(B, H, G, L, n)
         k = self._values_of("k")
@@ -1121,7 +1121,7 @@ class CodedHistory:
         p = p * (c.value_norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d)))[:, :, None, None, :]
         if self._fused(G * L, d, c.value_bits):
             codes = c.value_codes.reshape(B * H, *c.value_codes.shape[2:])
-            table, _ = _codebook_arrays(c.value_bits)
+            table, _ = codebook_arrays(c.value_bits)
             o = _kernels.values(p.reshape(B * H, G * L, n), codes, table, c.value_bits, d)
             return o.reshape(B, H, G, L, d).astype(self.dtype)
         v = self._values_of("v")
@@ -1130,7 +1130,7 @@ class CodedHistory:
 
 def _levels(words: mx.array, bits: int, dim: int) -> mx.array:
     """Packed codes -> their codebook values (float32, not yet scaled)."""
-    table, _ = _codebook_arrays(bits)
+    table, _ = codebook_arrays(bits)
     return mx.take(table, unpack_codes(words, bits, dim))
 
 

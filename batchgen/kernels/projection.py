@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .turboquant_kernels import available
+from .turboquant import available
 
 # Where the kernel pays, measured in compiled steps (bench/projection_probe.py, H200,
 # bench/results/2026-11-30-h200-v): a product this small is bound by its launch, and

@@ -16,7 +16,7 @@ import os
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .config import SamplingConfig
+from ..config import SamplingConfig
 
 
 def job_seed(sampling: SamplingConfig) -> int:

@@ -208,7 +208,7 @@ class DraftPolicy:
         """Time plain pipelined steps and verify passes of `lengths` tokens on
         a scratch copy of `cache`, so the first job's decisions already rest
         on this device's costs (a few passes, once per run)."""
-        from .prompt_cache import clone_cache
+        from ..cache.pool import clone_cache
 
         scratch = clone_cache(cache)
         y = mx.array([token])
@@ -238,7 +238,7 @@ def _split_cache(cache: list) -> list[int]:
 
 
 def _snapshot(cache: list, layers: list[int]) -> dict:
-    from .prompt_cache import clone_layer
+    from ..cache.pool import clone_layer
 
     return {i: clone_layer(cache[i]) for i in layers}
 

@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from . import projection
+from ..kernels import projection
 
 
 log = logging.getLogger("batchgen")

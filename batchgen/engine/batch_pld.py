@@ -31,7 +31,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .pld import Ema
+from ..decode.pld import Ema
 
 
 def accepted_prefix(draft: Sequence[int], targets: Sequence[int]) -> int:

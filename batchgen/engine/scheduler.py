@@ -37,6 +37,8 @@ rows; with the kernels it keeps its rows (`BatchScheduler.shrinks`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import itertools
 import logging
 import time
@@ -46,19 +48,23 @@ from typing import Iterable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .attention import mark_cache
+from ..kernels.attention import mark_cache
 from .batch_pld import BatchDraftPolicy, accepted_prefix, cut_rejected, verify_inputs
-from .compiled_step import CompiledSteps, buffers, held_positions, step_layer
-from .engine import (Engine, JobPlan, TextAssembler, error_result, failed_result, finished_result, generation_stream,
-                     pick_first)
+from ..step.compiled import CompiledSteps, buffers, held_positions, step_layer
+from ..config import JobPlan
+from ..decode.text import TextAssembler, error_result, failed_result, finished_result, pick_first
+from ..decode.passes import generation_stream
 from .entering import start_prompts
-from .jobs import BadJob, Job
-from .pld import NgramIndex
-from .sampling import job_seed, make_keys, pick
-from .stats import JobStats, Result, Timer
-from .turboquant import TurboQuantKVCache
-from .turboquant_batch import Layout, TurboQuantBatchLayer
-from .turboquant_kernels import available as cuda_available
+from ..jobs import BadJob, Job
+from ..decode.pld import NgramIndex
+from ..decode.sampling import job_seed, make_keys, pick
+from ..stats import JobStats, Result, Timer
+from ..cache.turboquant import TurboQuantKVCache
+from ..cache.turboquant_rows import Layout, TurboQuantBatchLayer
+from ..kernels.turboquant import available as cuda_available
+
+if TYPE_CHECKING:  # the engine hands itself in; imports run down, from it to here
+    from .core import Engine
 
 log = logging.getLogger("batchgen")
 
@@ -179,7 +185,7 @@ class BatchScheduler:
         # Every row's cache is of the run's kind: fp16, or TurboQuant's codes.
         self.kv = engine.config.kv
         self.turbo = self.kv.kind == "turboquant"
-        self.per_token, self.per_row = engine._kv_bytes_per_token(self.kv)  # KV bytes per token, and per row
+        self.per_token, self.per_row = engine.kv_bytes_per_token(self.kv)  # KV bytes per token, and per row
         layers = len(engine.make_cache(self.kv))  # (TurboQuant: its attention hook installed)
         self.rows: list[Row | None] = [None] * batch_size
         layer = (lambda: TurboQuantBatchLayer(batch_size)) if self.turbo else (lambda: BatchKVCache([0] * batch_size))

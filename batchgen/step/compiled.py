@@ -34,7 +34,9 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from .step_forward import make_step_forward
+from ..cache.turboquant_rows import TurboQuantStepCache
+from ..kernels.attention import fused_step_attention, kernel_takes
+from .forward import make_step_forward
 
 CAPACITY_STEP = 256  # positions: the big buffers grow (and the step is recorded anew) in these
 WINDOW = 32  # positions of the recent window: the big buffers are written once per this many steps
@@ -66,6 +68,8 @@ class StepCache:
     left padding (B,). `kernel`: the attention hook takes the step's token
     (`new`) and updates the window itself (CUDA)."""
 
+    steps_new_token = True  # the attention hook's mark: `new` set, the kernel attends
+
     def __init__(self, keys, values, rkeys, rvalues, meta: mx.array, left_padding: mx.array, kernel: bool):
         self.keys, self.values, self.rkeys, self.rvalues = keys, values, rkeys, rvalues
         self.meta, self.left_padding, self.kernel = meta, left_padding, kernel
@@ -95,8 +99,6 @@ class StepCache:
 
     def fused_attention(self, roped: mx.array, heads: mx.array, scale: float) -> mx.array:
         """`step_forward`'s attention through the step kernel (`takes_kernel`): (B, Hq * D)."""
-        from .attention import fused_step_attention  # it imports this module
-
         return fused_step_attention(roped, heads, self, scale)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
@@ -120,28 +122,6 @@ class StepCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
-
-
-# Head sizes the batch attention kernels take: D / 8 lanes read a position, a
-# power of two that divides a warp.
-KERNEL_HEAD_SIZES = (32, 64, 128, 256)
-
-
-def kernel_head_size(*arrays) -> bool:
-    """What the batch attention kernels (`attention`) take: one head size over
-    all these arrays, one of `KERNEL_HEAD_SIZES`.
-
-    >>> [kernel_head_size(mx.zeros((1, d))) for d in (32, 64, 96, 128, 256, 512)]
-    [True, True, False, True, True, False]
-    """
-    d = arrays[0].shape[-1]
-    return all(a.shape[-1] == d for a in arrays) and d in KERNEL_HEAD_SIZES
-
-
-def kernel_takes(*arrays) -> bool:
-    """A step kernel's needs: one dtype (it picks each position's pointer
-    from several buffers) and `kernel_head_size`."""
-    return len({a.dtype for a in arrays}) == 1 and kernel_head_size(*arrays)
 
 
 class Fp16Layer:
@@ -187,8 +167,6 @@ def buffers(c) -> tuple[str, ...]:
 def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, shared: dict):
     if kind == "fp16":
         return StepCache(*arrays, rkeys, rvalues, meta, left_padding, kernel)
-    from .turboquant_batch import TurboQuantStepCache  # it imports `attention`, which imports this module
-
     return TurboQuantStepCache(kind[1], arrays, rkeys, rvalues, meta, left_padding, shared, kernel)
 
 

@@ -24,10 +24,25 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .attention import FUSED_STEP_HEAD, HEADER, LANE_PART, MERGE_WEIGHTS, STEP_HEAD, WINDOW_PART, launch
-from .compiled_step import KERNEL_HEAD_SIZES, kernel_takes
-from .turboquant import (CodedHistory, TurboQuantKVCache, _codebook_arrays, _encode, dequantize, packed_words,
-                         rotation)
+from ..kernels.attention import (
+    FUSED_STEP_HEAD,
+    HEADER,
+    LANE_PART,
+    MERGE_WEIGHTS,
+    STEP_HEAD,
+    WINDOW_PART,
+    launch,
+)
+from ..kernels.attention import KERNEL_HEAD_SIZES, kernel_takes
+from .turboquant import (
+    CodedHistory,
+    TurboQuantKVCache,
+    codebook_arrays,
+    encode,
+    dequantize,
+    packed_words,
+    rotation,
+)
 
 
 @dataclass(frozen=True)
@@ -167,8 +182,8 @@ class TurboQuantBatchLayer:
         sink."""
         lay, idx = self.layout, self._idx
         k, v = rkeys[:, :, :n], rvalues[:, :, :n]
-        kc, kn = _encode(k, lay.key_bits, rotation(lay.key_dim, lay.seed))
-        vc, vn = _encode(v, lay.value_bits, rotation(lay.value_dim, lay.seed))
+        kc, kn = encode(k, lay.key_bits, rotation(lay.key_dim, lay.seed))
+        vc, vn = encode(v, lay.value_bits, rotation(lay.value_dim, lay.seed))
         cols = slice(idx, idx + n)
         self.key_codes[:, :, cols], self.key_norms[:, :, cols] = kc, kn
         self.value_codes[:, :, cols], self.value_norms[:, :, cols] = vc, vn
@@ -473,7 +488,7 @@ def kernel_template(layout: Layout) -> tuple:
 @lru_cache(maxsize=None)
 def _tables(layout: Layout) -> mx.array:
     """The key codebook's levels, then the value codebook's (float32)."""
-    tables = mx.concatenate([_codebook_arrays(layout.key_bits)[0], _codebook_arrays(layout.value_bits)[0]])
+    tables = mx.concatenate([codebook_arrays(layout.key_bits)[0], codebook_arrays(layout.value_bits)[0]])
     mx.eval(tables)
     return tables
 

@@ -18,6 +18,8 @@ split by tail length where a pass costs less than the padding it saves
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -25,10 +27,14 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from .attention import mark_cache
-from .engine import Engine, JobPlan, generation_stream, logits_at, padded_length, pads_exactly
-from .prompt_cache import clone_cache, common_prefix_len, trim_cache
-from .turboquant import TurboQuantKVCache
+from ..kernels.attention import mark_cache
+from ..config import JobPlan
+from ..decode.passes import generation_stream, logits_at, padded_length, pads_exactly
+from ..cache.pool import clone_cache, common_prefix_len, trim_cache
+from ..cache.turboquant import TurboQuantKVCache
+
+if TYPE_CHECKING:  # the engine hands itself in; imports run down, from it to here
+    from .core import Engine
 
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
@@ -244,7 +250,7 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
     for i, tokens in enumerate(prompts):
         first.setdefault(tuple(tokens), i)
     unique = sorted(first.values())
-    fetched = {i: engine._cache_for(prompts[i], plan) for i in unique}
+    fetched = {i: engine.cache_for(prompts[i], plan) for i in unique}
     out: list = [None] * len(prompts)
     for i in unique:
         cache, cached = fetched[i]
@@ -265,18 +271,18 @@ def start_prompts(engine: Engine, prompts: list[list[int]], plan: JobPlan, feed_
             if len(part) == 1 and (key[0] == "single" or not _padded_row(fetched[part[0]][0], pad_step)):
                 i = part[0]
                 cache, cached = fetched[i]
-                out[i] = (cache, cached, engine._prefill(cache, prompts[i][cached:], logits=True))
+                out[i] = (cache, cached, engine.prefill_tokens(cache, prompts[i][cached:], logits=True))
             else:
                 _start_rows(engine, [prompts[i] for i in part], fetched[part[0]], part, out)
     for i in unique:
-        engine._remember(prompts[i], out[i][0], out[i][1], plan)
+        engine.remember(prompts[i], out[i][0], out[i][1], plan)
     _copy_duplicates(prompts, first, out)
     return out
 
 
 def _padded_row(cache: list, pad_step: int | None) -> bool:
     """Whether a prompt's pass of its own goes the rows' way, as one padded
-    row: a TurboQuant prompt where passes are padded. `Engine._prefill` pads
+    row: a TurboQuant prompt where passes are padded. `Engine.prefill_tokens` pads
     only caches whose trim drops the pads alone; `TurboQuantKVCache.repeated`
     keeps what makes a padded row exact, so its passes come in the few shapes
     the shared passes do instead of one per prompt length. (H200, 0.5B
@@ -360,8 +366,8 @@ def _share_prefix(engine: Engine, members: list[int], prompts: list[list[int]], 
         head = prompts[cluster[0]]
         shared = min(min(common_prefix_len(head, prompts[i]), len(prompts[i]) - 1) for i in cluster)
         cache = fetched[cluster[0]][0]
-        engine._prefill(cache, head[cached:shared])
-        engine._remember(head[:shared], cache, cached, plan)
+        engine.prefill_tokens(cache, head[cached:shared])
+        engine.remember(head[:shared], cache, cached, plan)
         for i in cluster:
             fetched[i] = (clone_cache(cache), shared)
 
