@@ -116,7 +116,6 @@ def main():
 @click.option("--pld-ngram-size", type=click.IntRange(min=1), default=DEFAULT_PLD_NGRAM_SIZE, show_default=True)
 @click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True, help="Most draft tokens per verify pass.")
 @click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None, help="Pad verify passes to a fixed length (default: on a GPU).")
-@click.option("--pld-in-batch", is_flag=True, help="Batched jobs draft too (one verify pass over the batch); default: they decode plainly.")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS), default="fp16", show_default=True, help="fp16 = uncompressed, in the model's dtype.")
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True, help="TurboQuant bits per coordinate.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast the model's floating weights (default: as stored).")
@@ -132,7 +131,7 @@ def main():
 @click.option("--retry-failed", is_flag=True, help="On resume, run again the jobs whose earlier line is an error.")
 @click.option("--no-fsync", is_flag=True, help="Flush each line but skip fsync.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
-def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_in_batch,
+def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
         kv_cache, kv_bits, dtype, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
         prewarm_file, batch_size, kv_budget, summary_path, retry_failed, no_fsync, quiet):  # fmt: skip
     """Generate a result line for every job in JOBS (a JSONL file, or - for stdin)."""
@@ -143,7 +142,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         model=model or str(DEMO_MODEL_DIR),
         fuse=not no_fuse,
         dtype=dtype,
-        decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_in_batch=pld_in_batch),
+        decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
         prompt_cache=PromptCacheConfig(
             enabled=not no_prompt_cache,
@@ -230,7 +229,6 @@ def validate(jobs, max_tokens):
 @click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True)
 @click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None)
 @click.option("--pld-always", is_flag=True, help="Verify every draft (no adaptive policy).")
-@click.option("--pld-in-batch", is_flag=True, help="Batched jobs draft too (with --throughput).")
 @click.option("--pld-policy", default=None, help="Draft-policy settings to try, e.g. min_plain_tokens=4,margin=1.0.")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS), default="fp16", show_default=True)
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True)
@@ -248,7 +246,7 @@ def validate(jobs, max_tokens):
 @click.option("--throughput-repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --throughput: each side's run this many times, in turn; rows report the median run.")
 def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
-          draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_in_batch, pld_policy, kv_cache, kv_bits,
+          draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy, kv_cache, kv_bits,
           plain_kv_bits, no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total,
           throughput_drafts, throughput_repeats):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
@@ -264,8 +262,7 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
     engine = EngineConfig(
         model=model or shape or str(DEMO_MODEL_DIR),
         fuse=not no_fuse,
-        decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_adaptive=not pld_always,
-                            pld_in_batch=pld_in_batch),  # fmt: skip
+        decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_adaptive=not pld_always),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
         prompt_cache=PromptCacheConfig(enabled=not no_prompt_cache, prewarm=not no_prewarm),
     )

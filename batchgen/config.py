@@ -49,10 +49,6 @@ class DecodeConfig:
     pld_adaptive: bool = True
     # Queue the next verify pass before the current one is read back (greedy).
     pld_pipeline: bool = True
-    # Batched rows draft too (`batch_pld`: one verify pass over every row).
-    # Off: they decode plainly, as a verify pass over the batch did not pay on
-    # an H200 (0.60-0.99x plain batched rows; bench/results/2026-11-30-h200-u).
-    pld_in_batch: bool = False
 
 
 @dataclass(frozen=True)

@@ -241,8 +241,7 @@ def test_unset_batch_size_takes_the_device_default(model_dir, monkeypatch, devic
     assert engine(model_dir("qwen2"), None).resolve_batch_size(total=len(TEXTS)) == expected
 
 
-@pytest.mark.parametrize("extra", [[], ["--pld-in-batch"]])
-def test_resume_mid_batch(model_dir, tmp_path, monkeypatch, extra):
+def test_resume_mid_batch(model_dir, tmp_path, monkeypatch):
     import json
 
     from click.testing import CliRunner
@@ -254,7 +253,7 @@ def test_resume_mid_batch(model_dir, tmp_path, monkeypatch, extra):
     path.write_text("".join(json.dumps({"id": f"j{i}", "prompt": t, "max_tokens": n}) + "\n"
                             for i, (t, n) in enumerate(zip(TEXTS, LENGTHS))))  # fmt: skip
     out = tmp_path / "out.jsonl"
-    args = ["run", str(path), "--model", str(model_dir("qwen2")), "-o", str(out), "--no-fuse", "--batch-size", "3", *extra]
+    args = ["run", str(path), "--model", str(model_dir("qwen2")), "-o", str(out), "--no-fuse", "--batch-size", "3"]
     real, calls = BatchScheduler._finish, []
 
     def finish_then_interrupt(self, row):

@@ -287,28 +287,6 @@ def test_turboquant_run_batches_over_its_cache_where_the_device_would_batch(tmp_
         assert (f"batched decoding: up to {rows} jobs per step" in r.stderr) == (rows > 1)
 
 
-def test_pld_in_batch_drafts_batched_rows_and_reports_their_passes(tmp_path, model):
-    loopy = [{"id": f"l{i}", "messages": [{"role": "user", "content": "ab ab ab ab " * (i + 2)}], "max_tokens": 24}
-             for i in range(3)]  # fmt: skip
-    jobs = write_jobs(tmp_path / "jobs.jsonl", loopy)
-    texts = {}
-    for extra in ((), ("--pld-in-batch",)):
-        out, summary = tmp_path / f"o{len(extra)}.jsonl", tmp_path / f"s{len(extra)}.json"
-        r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--summary", str(summary), "--no-fuse",
-                   "--batch-size", "3", "--dtype", "float32", *extra)  # fmt: skip
-        assert r.exit_code == 0, r.stderr
-        lines, batch = read_lines(out), json.loads(summary.read_text())["batch"]
-        texts[extra] = {l["id"]: l["text"] for l in lines}
-        drafted = sum(l["stats"]["pld_drafted"] for l in lines)
-        if extra:
-            assert {l["stats"]["draft"] for l in lines} == {"pld"}
-            assert batch["verify_passes"] > 0 and batch["drafted"] == drafted > 0 and batch["draft"] == "pld"
-            assert f"(batched rows: draft=pld, {batch['verify_passes']} verify passes)" in r.stderr
-        else:
-            assert {l["stats"]["draft"] for l in lines} == {"none"} and drafted == 0 and "verify_passes" not in batch
-    assert texts[()] == texts[("--pld-in-batch",)]
-
-
 def test_summary_reports_the_batch_and_overall_throughput(tmp_path, model):
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(4))
     for extra, rows in (((), 1), (("--batch-size", "2"), 2)):

@@ -23,10 +23,13 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
   arrays move, and until a job takes the row it starts at the write position
   (its attention reads nothing of the job that left);
 - the next step is queued before the current tokens are read back, and the
-  tokens of all rows come back in one transfer;
-- with `DecodeConfig.pld_in_batch`, greedy rows draft from their own context
-  and one verify pass serves every row (`batch_pld`), where its policy says
-  the pass pays.
+  tokens of all rows come back in one transfer.
+
+Batched rows decode plainly. A verify pass over every row's drafts (prompt
+lookup in the batch) was measured at 0.60-0.99x of plain batched rows on an
+H200 (bench/RESULTS.md): a step of B rows already reads the weights once for
+all of them, so drafts only add compute. PLD is the one-at-a-time path; a
+batch whose rows stay few and copy-heavy is where drafting could pay again.
 
 Rows share the left-padded buffer; when every live row has at least
 `_COMPACT_PAD` positions of padding, the common padding is cut off. Off the
@@ -41,7 +44,6 @@ from typing import TYPE_CHECKING
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -49,14 +51,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..kernels.attention import mark_cache
-from .batch_pld import BatchDraftPolicy, accepted_prefix, cut_rejected, verify_inputs
 from ..step.compiled import CompiledSteps, buffers, held_positions, step_layer
 from ..config import JobPlan
 from ..decode.text import TextAssembler, error_result, failed_result, finished_result, pick_first
 from ..decode.passes import generation_stream
 from .entering import start_prompts
 from ..jobs import BadJob, Job
-from ..decode.pld import NgramIndex
 from ..decode.sampling import job_seed, make_keys, pick
 from ..stats import JobStats, Result, Timer
 from ..cache.turboquant import TurboQuantKVCache
@@ -152,13 +152,9 @@ class Row:
     live_from_step: int = 0  # this row's tokens from earlier steps were someone else's
     first_token_s: float | None = None
     done: bool = False
-    index: NgramIndex | None = None  # prompt + generated tokens, where the job drafts (greedy, PLD)
-    lookup: int = 0  # draft tokens at most
 
     def add(self, token: int) -> bool:
         """Hand the job a generated token; True once it is finished."""
-        if self.index is not None:
-            self.index.extend([token])
         return self.text.add(token)
 
     @property
@@ -215,13 +211,6 @@ class BatchScheduler:
         # steps of a 128-job run (0.5B shape) took 4.3 and 3.5 s on an H200.
         self.shrinks = not kernel
         self.freed: set[int] = set()  # rows freed since the last step
-        # Prompt lookup over fp16 rows (`batch_pld`): verify passes of `width` positions a row.
-        d = engine.config.decode
-        self.drafts = None
-        if d.draft == "pld" and d.pld_in_batch and d.pld_max_lookup > 0 and not self.turbo:
-            self.drafts = BatchDraftPolicy(adaptive=d.pld_adaptive)
-            self.report.update(verify_passes=0, drafted=0, accepted=0)
-        self.width = d.pld_max_lookup + 1 if self.drafts else 1
 
     @staticmethod
     def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256,
@@ -243,7 +232,7 @@ class BatchScheduler:
         if self.live == 0 and not entering:
             return True  # a job that alone exceeds the budget still runs, alone
         # every row's buffers are as long as the longest row's, rounded up as the step holds them
-        row_bytes = held_positions(self._worst_len(entering + [row]) + self.width - 1) * self.per_token + self.per_row
+        row_bytes = held_positions(self._worst_len(entering + [row])) * self.per_token + self.per_row
         return self.B * row_bytes <= self.budget
 
     def _row(self, job: Job) -> Row:
@@ -253,16 +242,14 @@ class BatchScheduler:
         job, tokens, capped_from = e.checked_job(job)
         plan = e.plan(job)
         drafts = plan.decode.draft == "pld" and job.sampling.greedy and plan.decode.pld_max_lookup > 0
-        if ((drafts and self.drafts is None) or plan.kv != self.kv) and not self.logged_overrides:
+        if (drafts or plan.kv != self.kv) and not self.logged_overrides:
             log.info(f"batched decoding: jobs run with plain decoding over the batch's {self.kv.kind} KV cache "
-                     "(PLD runs at batch size 1, or batched with --pld-in-batch over fp16 rows)")  # fmt: skip
+                     "(PLD runs at batch size 1)")  # fmt: skip
             self.logged_overrides = True
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
-        index = NgramIndex(tokens, plan.decode.pld_ngram_size) if drafts and self.drafts else None
-        stats = JobStats(draft="pld" if index else "none", kv_cache=self.kv.kind, max_tokens_capped_from=capped_from)
-        lookup = min(plan.decode.pld_max_lookup, self.width - 1)
-        return Row(job, tokens, 0, text, keys, stats, timer, queued=1, index=index, lookup=lookup)
+        stats = JobStats(draft="none", kv_cache=self.kv.kind, max_tokens_capped_from=capped_from)
+        return Row(job, tokens, 0, text, keys, stats, timer, queued=1)
 
     def _start(self, rows: list[Row]) -> tuple[list[Row], list[Result]]:
         """Prefill entering rows (together where they share a cached prefix) and
@@ -444,74 +431,6 @@ class BatchScheduler:
         self.report["steps"] += 1
         return step
 
-    def _verify(self) -> Iterator[Result]:
-        """One verify pass over every row (`batch_pld`), if the rows' drafts
-        make it pay; yields the jobs that finished, returns whether it ran.
-        Every queued step must have been read back (drafts need the tokens)."""
-        drafts = [[] if r is None or r.index is None else r.index.draft(min(r.lookup, r.text.remaining - 1))
-                  for r in self.rows]  # fmt: skip
-        drafted = sum(map(len, drafts))
-        if not self.drafts.worth(self.live, drafted):
-            return False
-        start = time.perf_counter()
-        targets = self._verify_pass(drafts)
-        kept = [accepted_prefix(d, t) for d, t in zip(drafts, targets)]
-        cut_rejected(self.cache, [self.width - 1 - n if r else 0 for n, r in zip(kept, self.rows)])
-        for i, row in enumerate(self.rows):
-            if row is None:
-                continue
-            self.pads[i] += self.width - 1 - kept[i]
-            row.stats.forward_passes += 1
-            row.stats.pld_drafted += len(drafts[i])
-            row.stats.pld_accepted += kept[i]
-            yield from self._hand_out(i, drafts[i][: kept[i]] + [targets[i][kept[i]]])
-        self._gather = None
-        self.step += 1
-        accepted = sum(kept)
-        for name, n in (("steps", 1), ("verify_passes", 1), ("drafted", drafted), ("accepted", accepted)):
-            self.report[name] += n
-        self.drafts.verified(time.perf_counter() - start, drafted, accepted)
-        return True
-
-    def _verify_pass(self, drafts: list[list[int]]) -> list[list[int]]:
-        """Feed every row [its next input, *its draft] (padded to `width`) at the
-        write position; each row's tokens after each of them (sampling rows:
-        the first its own sample), read back."""
-        self.stepper.flush(self.cache)  # the pass writes at the big buffers' write position
-        self._empty_freed()
-        firsts = [0 if r is None else r.next_input for r in self.rows]
-        inputs = mx.array(verify_inputs(firsts, drafts, self.width), mx.uint32)
-        for c in self.cache:  # the offsets the model reads (the compiled step derives its own)
-            c.offset = c._idx - c.left_padding
-        logits = self.model(inputs, cache=self.cache)  # (B, width, vocab)
-        targets = mx.argmax(logits, axis=-1)
-        first = self._sampled(targets[:, 0], logits[:, 0])
-        return mx.concatenate([first[:, None], targets[:, 1:]], axis=1).tolist()
-
-    def _hand_out(self, i: int, tokens: list[int]) -> Iterator[Result]:
-        """Hand row i the tokens a pass gave it, up to the one that finishes it
-        (then the row is freed and its result yielded)."""
-        row = self.rows[i]
-        row.pending_input = None
-        if row.first_token_s is None:
-            row.first_token_s = row.timer.elapsed_s
-        row.queued += len(tokens)
-        if any(row.add(t) for t in tokens):
-            row.done = True
-            self._free(i)
-            yield self._finish(row)
-        else:
-            row.pending_input = tokens[-1]  # the cache lacks it: the next pass or step feeds it
-
-    def _drain(self, prev: _Step | None) -> Iterator[Result]:
-        """Read back the queued step, if any (its tokens become the rows' next
-        inputs); yields the jobs that finished."""
-        if prev is not None:
-            yield from self._read(prev)
-            for row in self.rows:
-                if row is not None:
-                    row.pending_input = row.next_input
-
     def _read(self, step: _Step) -> list[Result]:
         """Hand each live row its token; return the jobs that finished."""
         values = step.tokens.tolist()
@@ -589,24 +508,10 @@ class BatchScheduler:
             yield from self._admit(waiting, source)
             prev = None
             while self.live or prev is not None:
-                if self.drafts is not None and self.live and self.drafts.look_now():
-                    yield from self._drain(prev)
-                    prev = None
-                    if self.live and (yield from self._verify()):
-                        yield from self._admit(waiting, source)
-                        self._compact()
-                        self._shrink()
-                        continue
-                    yield from self._admit(waiting, source)
-                    if not self.live:
-                        continue
                 # queue the next step before reading the current one back
-                start = time.perf_counter()
                 cur = self._queue_step(prev) if self.live else None
                 if prev is not None:
                     yield from self._read(prev)
-                    if self.drafts is not None:  # a pipelined step's seconds, admission aside
-                        self.drafts.stepped(time.perf_counter() - start if cur is not None else None)
                     yield from self._admit(waiting, source)
                 prev = cur
                 if self.step % _COMPACT_EVERY == 0:
@@ -614,4 +519,4 @@ class BatchScheduler:
                 self._shrink()
         stepped = "compiled" if self.compiled and self.stepper.compiled else "unrecorded" if self.compiled else "model"
         self.engine.batch_report.update(self.report, step=stepped, kv_cache=self.kv.kind,
-                                        draft="pld" if self.drafts else "none")  # what batched rows did
+                                        draft="none")  # what batched rows did

@@ -12,8 +12,7 @@ fused kernel.
 
 The hook rebinds `scaled_dot_product_attention` in the modules the model is
 built from (as mlx-lm's models import it by name). It takes effect only for
-`KVCache` layers, and batches' `BatchKVCache` layers (`batch_pld`'s verify
-passes), marked by `mark_cache` (the engine's own caches), so
+`KVCache` layers, and batches' `BatchKVCache` layers, marked by `mark_cache` (the engine's own caches), so
 another model of the same architecture in the process (the plain mlx-lm side
 of a benchmark) keeps the stock path, and other caches (TurboQuant's own
 attention) keep theirs.
@@ -101,7 +100,7 @@ def _wrap(inner, max_queries: int):
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         L = queries.shape[2]
         if sinks is None and getattr(cache, _MARK, False):
-            if 1 < L <= max_queries and type(cache) in (KVCache, BatchKVCache):  # (batched: `batch_pld`'s passes)
+            if 1 < L <= max_queries and type(cache) in (KVCache, BatchKVCache):
                 return short_attention(queries, keys, values, scale, mask)
             if L == 1 and type(cache) is BatchKVCache and batch_decode_supported(queries, cache):
                 bounds = batch_cache_bounds(cache)
