@@ -74,6 +74,15 @@ def _parse_bytes(text: str | None) -> int | None:
     return int(value)
 
 
+def _parse_interval(text: str) -> float | None:
+    from .progress import parse_interval
+
+    try:
+        return parse_interval(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _parse_batch_size(text: str | None):
     if text is None or text == "auto":
         return text
@@ -130,10 +139,12 @@ def main():
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the run summary JSON here.")
 @click.option("--retry-failed", is_flag=True, help="On resume, run again the jobs whose earlier line is an error.")
 @click.option("--no-fsync", is_flag=True, help="Flush each line but skip fsync.")
+@click.option("--log-every", default="30s", show_default=True, callback=lambda _c, _p, v: _parse_interval(v),
+              help="Without a terminal: a progress line on stderr this often (30s, 2m, 10; 0 or off: none).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
 def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
         kv_cache, kv_bits, dtype, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
-        prewarm_file, batch_size, kv_budget, summary_path, retry_failed, no_fsync, quiet):  # fmt: skip
+        prewarm_file, batch_size, kv_budget, summary_path, retry_failed, no_fsync, log_every, quiet):  # fmt: skip
     """Generate a result line for every job in JOBS (a JSONL file, or - for stdin)."""
     _setup_logging(quiet)
     from .runner import RunError, default_output, run_jobs, save_summary, spool_stdin
@@ -169,8 +180,9 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         retry_failed=retry_failed,
     )
     progress = not quiet and sys.stderr.isatty()
+    log_every_s = None if quiet or progress else log_every  # no terminal: plain lines for logs
     try:
-        outcome = run_jobs(cfg, jobs_path, progress)
+        outcome = run_jobs(cfg, jobs_path, progress, log_every_s)
     except RunError as e:
         _fail(str(e))
     finally:

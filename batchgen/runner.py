@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from .output import (
     open_output,
     read_resume_index,
 )
+from .progress import ProgressLog
 from .stats import RunSummary, Timer
 
 log = logging.getLogger("batchgen")
@@ -170,7 +172,9 @@ def _check_paths(cfg: RunConfig, jobs_path: Path) -> None:
         check_writable(cfg.summary_path, "summary")
 
 
-def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool) -> Outcome:
+def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool, log_every_s: float | None = None) -> Outcome:
+    """`progress`: a tqdm bar on stderr (a terminal); `log_every_s`: else a
+    plain progress line on stderr every so many seconds (None: none)."""
     wall = Timer()
     _check_paths(cfg, jobs_path)
     lock = OutputLock(Path(cfg.output_path)) if cfg.output_path != "-" else None
@@ -184,13 +188,13 @@ def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool) -> Outcome:
             lock.release()
         raise RunError(str(e)) from None
     try:
-        return _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall)
+        return _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every_s)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall) -> Outcome:
+def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every_s=None) -> Outcome:
     retry = index.failed if cfg.retry_failed else set()
     done = index.done - retry
     engine = _load_engine(cfg)
@@ -216,7 +220,9 @@ def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall) -> Outcom
         with stops:
             _prewarm(cfg, engine, scan, summary)
             bar = _progress_bar(scan.jobs - summary.skipped, progress)
+            every = ProgressLog(scan.jobs - summary.skipped, log_every_s, log.info) if log_every_s and bar is None else None
             for result in engine.run_all(todo, total=scan.jobs - summary.skipped):
+                result.stats.finished_at = round(time.time(), 3)
                 with stops.writing():
                     writer.write(result)
                     summary.add(result)
@@ -225,6 +231,8 @@ def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall) -> Outcom
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"{summary.decode_tps:.1f} tok/s")
+                elif every is not None:
+                    every.update(summary.ok + summary.failed, summary.failed, summary.completion_tokens)
     except (Stopped, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         summary.interrupted = True

@@ -22,6 +22,7 @@ class JobStats:
     kv_bytes: int = 0
     peak_memory_gb: float = 0.0
     max_tokens_capped_from: int | None = None  # the job's max_tokens, where the model's context capped it
+    finished_at: float | None = None  # unix seconds (ms) when the result line was written
 
     def as_dict(self) -> dict:
         d = asdict(self)
