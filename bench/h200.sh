@@ -31,19 +31,15 @@ step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, print its tail
   return $rc
 }
 
-sides() {  # "new" (this tree) and, with BASELINE, "old"
-  echo new
-  [[ -n ${BASELINE:-} ]] && echo old
+sides() {  # "new" (this tree) and, with BASELINE, "old", in the order SIDES gives (default: new old)
+  local s
+  for s in ${SIDES:-new old}; do
+    [[ $s == new || -n ${BASELINE:-} ]] && echo "$s"
+  done
 }
 
-in_side() {  # in_side SIDE CMD...: run CMD from that side's tree
-  local side=$1
-  shift
-  if [[ $side == old ]]; then
-    (cd "$BASELINE" && PYTHONPATH=/tmp/site:$PWD "$@")
-  else
-    "$@"
-  fi
+side() {  # the command prefix that runs from that side's tree (none for this one)
+  [[ $1 == old ]] && echo "env -C $BASELINE PYTHONPATH=/tmp/site:$BASELINE"
 }
 
 stage_env() {
@@ -59,14 +55,14 @@ stage_cuda() {
 
 stage_headline() {  # PLD on the demo model's edits; whole-file throughput, 0.5B shape, auto rows
   local s
-  for round in 1 2; do
+  for round in $(seq "${PLD_ROUNDS:-1}"); do
     for s in $(sides); do
-      step "pld_edits_${s}_$round" 120 in_side "$s" python3 -m batchgen bench jobs/edits.jsonl --max-jobs 40 \
+      step "pld_edits_${s}_$round" 120 $(side "$s") python3 -m batchgen bench jobs/edits.jsonl --max-jobs 40 \
         --no-fuse --no-prompt-cache --no-png --out "$R/pld_edits_${s}_$round.json"
     done
   done
   for s in $(sides); do
-    step "tp05_${s}" 200 in_side "$s" python3 -m batchgen bench jobs/freeform.jsonl --shape qwen2.5-0.5b \
+    step "tp05_${s}" 200 $(side "$s") python3 -m batchgen bench jobs/freeform.jsonl --shape qwen2.5-0.5b \
       --throughput auto --jobs-total 256 --max-tokens 128 --out "$R/tp05_${s}.json"
   done
 }
@@ -74,11 +70,11 @@ stage_headline() {  # PLD on the demo model's edits; whole-file throughput, 0.5B
 stage_headline7b() {  # whole-file throughput, 7B shape, auto rows; TurboQuant one-job decode at 32k
   local s
   for s in $(sides); do
-    step "tp7b_${s}" 240 in_side "$s" python3 -m batchgen bench jobs/freeform.jsonl --shape qwen2.5-7b \
+    step "tp7b_${s}" 240 $(side "$s") python3 -m batchgen bench jobs/freeform.jsonl --shape qwen2.5-7b \
       --throughput auto --jobs-total 256 --max-tokens 128 --out "$R/tp7b_${s}.json"
   done
   for s in $(sides); do
-    step "tqd7b_${s}" 150 in_side "$s" python3 bench/turboquant_decode.py qwen2.5-7b 32768 --rounds 5 \
+    step "tqd7b_${s}" 150 $(side "$s") python3 bench/turboquant_decode.py qwen2.5-7b 32768 --rounds 5 \
       --out "$R/tqd7b_${s}.jsonl"
   done
 }

@@ -28,3 +28,31 @@ def model_dir(tmp_path_factory):
         return built[key]
 
     return make
+
+
+MATRIX_AXES = ("arch", "dtype")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Two rules that keep the default suite fast and honest:
+
+    - `cuda` tests need MLX's CUDA backend: skipped elsewhere (`pytest -m cuda`
+      runs them on a GPU machine);
+    - a matrix over model architectures or dtypes (a test parametrized by `arch`
+      or `dtype`) runs its first value by default and the others under `slow`,
+      so every test still runs in the fast suite and the whole matrix in `.ci/run`.
+    """
+    from batchgen.kernels.turboquant import available
+
+    no_cuda = pytest.mark.skip(reason="needs MLX with a CUDA GPU")
+    has_cuda = available()
+    first_value: dict = {}
+    for item in items:
+        if item.get_closest_marker("cuda") is not None and not has_cuda:
+            item.add_marker(no_cuda)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for axis in MATRIX_AXES:
+            if axis in params:
+                key = (item.module.__name__, item.originalname, axis)
+                if first_value.setdefault(key, params[axis]) != params[axis]:
+                    item.add_marker(pytest.mark.slow)

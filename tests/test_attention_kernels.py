@@ -13,7 +13,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from batchgen.kernels import attention
 
-pytestmark = pytest.mark.skipif(not attention._cuda(), reason="needs MLX with a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 
 def batch_cache(rows: int, kv_heads: int, dim: int, end: int, pads: list[int], dtype, seed: int = 0):

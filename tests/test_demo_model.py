@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the demo model's whole files: minutes on two cores
+
 from batchgen.config import DEMO_MODEL_DIR, DecodeConfig, EngineConfig, PromptCacheConfig
 from batchgen.engine.core import Engine
 from batchgen.jobs import Job, iter_jobs, scan_jobs

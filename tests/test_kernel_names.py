@@ -10,7 +10,6 @@ import mlx.core as mx
 import pytest
 
 from batchgen.kernels import attention
-from batchgen.kernels.turboquant import available
 
 
 def test_launch_makes_a_kernel_for_each_source_of_a_name(monkeypatch):
@@ -25,7 +24,7 @@ def test_launch_makes_a_kernel_for_each_source_of_a_name(monkeypatch):
     assert made[0]["input_names"] == ["q", "scale"] and made[0]["output_names"] == ["out"]
 
 
-@pytest.mark.skipif(not available(), reason="needs MLX with a CUDA GPU")
+@pytest.mark.cuda
 def test_mlx_runs_each_source_of_one_name_and_each_dtype():
     for value, dtype in ((1, mx.float32), (2, mx.float32), (2, mx.bfloat16)):
         kernel = mx.fast.cuda_kernel(name="same_name_probe", input_names=["x"], output_names=["out"],

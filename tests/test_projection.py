@@ -15,12 +15,12 @@ import pytest
 from mlx_lm import load
 
 from batchgen.kernels import projection
-from batchgen.kernels.attention import _cuda, install_short_attention, mark_cache
+from batchgen.kernels.attention import install_short_attention, mark_cache
 from batchgen.step.compiled import CompiledSteps
 from batchgen.transforms.fusion import fuse_model
 from mlx_lm.models.cache import BatchKVCache
 
-cuda = pytest.mark.skipif(not _cuda(), reason="needs MLX with a CUDA GPU")
+cuda = pytest.mark.cuda
 
 
 def bf16(*shape, seed: int):

@@ -239,7 +239,7 @@ def test_max_tokens_is_capped_at_the_context(tmp_path, model):
 def test_a_job_too_large_for_memory_fails_alone(tmp_path, model, monkeypatch):
     import batchgen.engine.core as engine
     jobs = write_jobs(tmp_path / "jobs.jsonl", 2, extra=[{"id": "big", "prompt": "x", "max_tokens": 2000}])
-    monkeypatch.setattr(engine, "memory_limit", lambda: engine.mx.get_active_memory() + 200_000)
+    monkeypatch.setattr(engine, "memory_limit", lambda: engine.mx.get_active_memory() + 600_000)  # ~1 MB for "big"
     out = tmp_path / "out.jsonl"
     r = invoke("run", str(jobs), "--model", model, "-o", str(out), "--no-fuse")
     assert r.exit_code == 1

@@ -7,12 +7,11 @@ import pytest
 from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine.core import Engine
 
-from batchgen.kernels.turboquant import available as cuda_available
 
 from test_batch import TEXTS, jobs, record_passes
 from test_engine import make_job
 
-needs_cuda = pytest.mark.skipif(not cuda_available(), reason="needs MLX with a CUDA GPU")
+needs_cuda = pytest.mark.cuda
 
 
 def engine(path, batch_size, bits=4, pool=False, prewarm=False, compiled=True):

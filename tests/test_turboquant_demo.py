@@ -10,6 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.slow  # the demo model's whole files: minutes on two cores
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 

@@ -14,7 +14,7 @@ import pytest
 from batchgen.cache import turboquant as tq
 from batchgen.kernels import turboquant as kernels
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs MLX with a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 
 def filled_cache(n_tokens: int, dim: int, key_bits: int, value_bits: int, heads: int = 2, seed: int = 0):

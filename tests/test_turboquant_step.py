@@ -255,7 +255,7 @@ def test_model_prefills_the_same_through_flash(monkeypatch, model_dir):
 # ---------------------------------------------------------------------------
 # CUDA: the kernels against the reference
 
-cuda = pytest.mark.skipif(not kernels.available(), reason="needs MLX with a CUDA GPU")
+cuda = pytest.mark.cuda
 
 
 @cuda

@@ -180,6 +180,9 @@ class Engine:
         self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
         self.short_attention = short_attention_wanted(config.short_attention)
         self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget()
+        # Read once a run: on CUDA `mx.device_info()` asks the driver (free
+        # memory among its fields), which the per-job check need not repeat.
+        self.memory_bytes = memory_limit()
         static = config.decode.pld_static_shapes
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
         pad = config.pad_prompts
@@ -403,7 +406,7 @@ class Engine:
             job = replace(job, max_tokens=self.context_length - len(tokens))
         per_token, per_row = self.kv_bytes_per_token(self.plan(job).kv)
         need = per_token * (len(tokens) + job.max_tokens) + per_row + 8 * job.max_tokens  # KV + sampling keys
-        free = memory_limit() - mx.get_active_memory()
+        free = self.memory_bytes - mx.get_active_memory()
         if need > free:
             raise JobRunError(
                 "too_large",
