@@ -386,33 +386,12 @@ def save_results(result: dict, out_json: Path, out_png: Path | None) -> None:
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=2) + "\n")
     if out_png is not None:
-        try:
-            plot(result, out_png)
-        except ImportError:
+        from . import plots
+
+        if plots.available():
+            plots.bench_decode(result, out_png)
+        else:
             print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
-
-
-def plot(result: dict, path: Path) -> None:
-    """Per-job decode tok/s of both sides, with each side's aggregate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for name, color in (("mlx-lm", "tab:gray"), ("batchgen", "tab:blue")):
-        tps = [r["decode_tps"] for r in result["per_job"][name]]
-        ax.plot(range(len(tps)), tps, "o", ms=3, color=color, label=f"{name}: {result['sides'][name]['decode_tps']:.1f} tok/s")
-        ax.axhline(result["sides"][name]["decode_tps"], color=color, lw=1, ls="--")
-    ratio = result["ratio_batchgen_over_plain"]["decode_tps"] or 0.0
-    ax.set_title(f"{result['model']} on {result['device']}: decode {ratio:.2f}x, "
-                 f"{result['identical_outputs']}/{result['jobs']} identical", fontsize=10)  # fmt: skip
-    ax.set_xlabel("job")
-    ax.set_ylabel("decode tokens/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------
