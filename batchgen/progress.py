@@ -50,7 +50,11 @@ def format_duration(seconds: float) -> str:
 
 
 def format_line(done: int, total: int, failed: int, tokens_per_s: float, elapsed_s: float) -> str:
-    """The progress line, without the `batchgen: ` prefix the log adds."""
+    """The progress line, without the `batchgen: ` prefix the log adds.
+
+    >>> format_line(120, 1000, 3, 845.2, 130.0)
+    'progress: 120/1000 jobs (12%), 3 failed, 845.2 tok/s, elapsed 2m10s, ETA 15m53s'
+    """
     pct = f" ({100 * done // total}%)" if total > 0 else ""
     if done > 0 and total > done:
         eta = f", ETA {format_duration(elapsed_s / done * (total - done))}"
