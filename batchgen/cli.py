@@ -224,6 +224,22 @@ def validate(jobs, max_tokens):
 
 
 @main.command()
+@click.argument("output", type=str)
+@click.option("--summary", "summary_path", type=click.Path(path_type=Path), default=None, help="The run's --summary JSON.")
+@click.option("-o", "--out", "report_path", default=None, help="Report HTML (default OUTPUT's name with .report.html; - for stdout).")
+@click.option("--by", default=None, help="Group the per-job plots and tables by this metadata key.")
+def report(output, summary_path, report_path, by):
+    """One self-contained HTML page (inline SVG plots, no network) about OUTPUT, a result JSONL, finished or not."""
+    from .report import ReportError, write_report
+
+    try:
+        where, n = write_report(Path(output), summary_path, report_path, by)
+    except ReportError as e:
+        _fail(str(e))
+    click.echo(f"batchgen: wrote {where} ({n} result lines)", err=True)
+
+
+@main.command()
 @click.argument("jobs", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id (default: the demo model).")
 @click.option("--shape", type=click.Choice(sorted(SHAPES)), default=None,
