@@ -351,12 +351,11 @@ def pixels(png: Path):
 
 
 @pytest.mark.browser
+@pytest.mark.skipif(chromium() is None, reason="no chromium binary (Debian: apt-get install chromium)")
 def test_report_renders_in_headless_chromium(tmp_path, demo_run):
     import numpy as np
 
     browser = chromium()
-    if browser is None:
-        pytest.skip("no chromium binary (Debian: apt-get install chromium)")
     out, summary = demo_run[0], demo_run[1]
     page = tmp_path / "report.html"
     assert invoke("report", out, "--summary", summary, "--by", "kind", "-o", page).exit_code == 0
