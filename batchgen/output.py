@@ -135,8 +135,6 @@ def read_resume_index(path: Path) -> ResumeIndex:
     index = ResumeIndex()
     if not path.exists():
         return index
-    if path.is_dir():
-        raise OutputFileError(f"output {path} is a directory")
     first_line: dict[str, int] = {}
     try:
         f = open(path, "rb")

@@ -132,18 +132,23 @@ def _openai_row(obj: dict, n: int) -> Row | None:
                stats=stats, metadata=body.get("metadata"))  # fmt: skip
 
 
+def _unreadable(what: str, path: Path, e: OSError) -> ReportError:
+    """The one-line error for a file the report cannot read."""
+    if isinstance(e, FileNotFoundError):
+        return ReportError(f"cannot read {what} {path}: no such file")
+    if isinstance(e, IsADirectoryError):
+        return ReportError(f"{what} {path} is a directory")
+    return ReportError(f"cannot read {what} {path}: {e.strerror}")
+
+
 def read_output(path: Path) -> OutputLines:
     """Every result line of `path`; raises `ReportError` when it cannot be
     read or holds none."""
     out = OutputLines(path)
     try:
         f = open(path, "rb")
-    except FileNotFoundError:
-        raise ReportError(f"cannot read output file {path}: no such file") from None
-    except IsADirectoryError:
-        raise ReportError(f"output file {path} is a directory") from None
     except OSError as e:
-        raise ReportError(f"cannot read output file {path}: {e.strerror}") from None
+        raise _unreadable("output file", path, e) from None
     try:
         with f:
             for n, raw in enumerate(f, start=1):
@@ -167,7 +172,7 @@ def read_output(path: Path) -> OutputLines:
                 out.formats.add("openai" if "custom_id" in obj else "native")
                 out.rows.append(row)
     except OSError as e:
-        raise ReportError(f"cannot read output file {path}: {e.strerror}") from None
+        raise _unreadable("output file", path, e) from None
     if not out.rows:
         raise ReportError(f"output file {path} has no result lines")
     return out
@@ -176,12 +181,8 @@ def read_output(path: Path) -> OutputLines:
 def read_summary(path: Path) -> dict:
     try:
         data = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise ReportError(f"cannot read summary {path}: no such file") from None
-    except IsADirectoryError:
-        raise ReportError(f"summary {path} is a directory") from None
     except OSError as e:
-        raise ReportError(f"cannot read summary {path}: {e.strerror}") from None
+        raise _unreadable("summary", path, e) from None
     except orjson.JSONDecodeError:
         raise ReportError(f"summary {path} is not JSON") from None
     if not isinstance(data, dict) or not isinstance(data.get("jobs"), dict):
