@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
       or `dtype`) runs its first value by default and the others under `slow`,
       so every test still runs in the fast suite and the whole matrix in `.ci/run`.
     """
-    from batchgen.kernels.turboquant import available
+    from batchgen.kernels.registry import available
 
     no_cuda = pytest.mark.skip(reason="needs MLX with a CUDA GPU")
     has_cuda = available()

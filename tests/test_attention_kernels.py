@@ -1,7 +1,9 @@
-"""`batch_decode_attention` (CUDA) against a float64 reference, and the hook
-routing a marked batch cache's one-query steps to it.
+"""The attention dispatch (transforms/attention.py) and the batch attention kernel ops
+around it: which cache answers for itself, and the compiled step through the kernels.
 
-Runs where MLX has a CUDA GPU (the kernel has no CPU build); skipped elsewhere.
+On the CPU the ops' references stand in for the kernels (`registry.using("standin")`),
+so the code around a kernel runs as it does on a GPU; on CUDA the kernels run (their
+parity with the references: tests/test_kernel_registry.py).
 """
 
 from __future__ import annotations
@@ -9,68 +11,83 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models import base
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from batchgen.kernels import attention
+from batchgen.cache.fp16 import Fp16BatchCache, Fp16Cache
+from batchgen.kernels import registry
+from batchgen.transforms.attention import route_attention, routed_modules, unroute_attention
 
-pytestmark = pytest.mark.cuda
+
+@pytest.fixture
+def kernels_here():
+    """The kernels where MLX has a CUDA GPU, their references standing in elsewhere."""
+    if registry.available():
+        yield
+    else:
+        with registry.using("standin"):
+            yield
 
 
-def batch_cache(rows: int, kv_heads: int, dim: int, end: int, pads: list[int], dtype, seed: int = 0):
-    cache = BatchKVCache(pads)
+def batch_cache(cls, pads: list[int], kv_heads=2, dim=64, end=64, seed=0, **kw):
+    cache = cls(pads, **kw)
     k0, k1 = mx.random.split(mx.random.key(seed))
-    cache.update_and_fetch(
-        mx.random.normal((rows, kv_heads, end, dim), key=k0).astype(dtype),
-        mx.random.normal((rows, kv_heads, end, dim), key=k1).astype(dtype),
-    )
+    cache.update_and_fetch(mx.random.normal((len(pads), kv_heads, end, dim), key=k0),
+                           mx.random.normal((len(pads), kv_heads, end, dim), key=k1))  # fmt: skip
     mx.eval(cache.keys, cache.values)
     return cache
 
 
-def reference(q: mx.array, cache: BatchKVCache, scale: float) -> np.ndarray:
-    """Each row over its own positions pads[b] .. end - 1, in float64."""
-    qn = np.array(q.astype(mx.float32), dtype=np.float64)[:, :, 0]  # (B, Hq, D)
-    k = np.array(cache.keys.astype(mx.float32), dtype=np.float64)
-    v = np.array(cache.values.astype(mx.float32), dtype=np.float64)
-    pads, end = cache.left_padding.tolist(), cache._idx
-    B, Hq, D = qn.shape
-    group = Hq // k.shape[1]
-    out = np.zeros((B, Hq, 1, D))
-    for b in range(B):
-        for h in range(Hq):
-            keys, vals = k[b, h // group, pads[b] : end], v[b, h // group, pads[b] : end]
-            s = keys @ qn[b, h] * scale
-            p = np.exp(s - s.max())
-            out[b, h, 0] = p @ vals / p.sum()
-    return out
+def test_dispatch_lets_each_cache_answer_and_restores_the_stock_path(model_dir):
+    """batchgen's caches answer (or decline with NotImplemented); mlx-lm's own take the
+    stock path; unrouting puts mlx-lm's function back."""
+    from mlx_lm import load
+    from mlx_lm.models import qwen3
 
-
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("heads", [(14, 2), (8, 8)])
-@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
-def test_batch_decode_attention_matches_float64(dim, heads, dtype, tol):
-    q_heads, kv_heads = heads
-    end = 300
-    pads = [0, 299, 17, 150, 5]  # 299: a row holding one token
-    cache = batch_cache(len(pads), kv_heads, dim, end, pads, dtype)
-    q = mx.random.normal((len(pads), q_heads, 1, dim), key=mx.random.key(3)).astype(dtype)
-    scale = dim**-0.5
-    assert attention.batch_decode_supported(q, cache)
-    bounds = attention.batch_cache_bounds(cache)
-    got = attention.batch_decode_attention(q, cache.keys, cache.values, cache.left_padding, bounds, scale)
-    assert got.shape == q.shape and got.dtype == dtype
-    want = reference(q, cache, scale)
-    err = np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max()
-    assert err <= tol, err
-
-
-def test_hook_routes_marked_batch_caches_only():
-    """A marked BatchKVCache's one-query step goes to the kernel (the array
-    mask is never built); unmarked ones keep the stock path; both agree."""
+    model, _ = load(str(model_dir("qwen3")))
+    assert route_attention(model) == ["mlx_lm.models.qwen3"] and routed_modules() == ["mlx_lm.models.qwen3"]
+    assert route_attention(model) == ["mlx_lm.models.qwen3"]  # idempotent
+    sdpa = qwen3.scaled_dot_product_attention
+    q = mx.random.normal((1, 4, 6, 16), key=mx.random.key(1))
+    k = v = mx.random.normal((1, 2, 10, 16), key=mx.random.key(2))
     calls = []
-    inner = lambda q, k, v, cache, scale, mask, sinks=None: calls.append("stock") or mx.fast.scaled_dot_product_attention(  # noqa: E731
-        q, k, v, scale=scale, mask=mask)  # fmt: skip
-    sdpa = attention._wrap(inner, attention.DEFAULT_MAX_QUERIES)
+
+    class Answering(KVCache):
+        def attention(self, queries, keys, values, scale, mask, sinks=None):
+            calls.append("answered")
+            return mx.zeros(queries.shape)
+
+    class Declining(KVCache):
+        def attention(self, queries, keys, values, scale, mask, sinks=None):
+            calls.append("declined")
+            return NotImplemented
+
+    stock = base.scaled_dot_product_attention(q, k, v, cache=KVCache(), scale=0.25, mask="causal")
+    assert mx.array_equal(sdpa(q, k, v, cache=Answering(), scale=0.25, mask="causal"), mx.zeros(q.shape))
+    assert mx.array_equal(sdpa(q, k, v, cache=Declining(), scale=0.25, mask="causal"), stock)
+    assert mx.array_equal(sdpa(q, k, v, cache=KVCache(), scale=0.25, mask="causal"), stock)
+    assert calls == ["answered", "declined"]
+    # Fp16Cache: short passes as plain ops (same numbers), one token through the stock path.
+    short = Fp16Cache()
+    assert mx.allclose(sdpa(q, k, v, cache=short, scale=0.25, mask="causal"), stock, atol=1e-5)
+    assert short.attention(q[:, :, :1], k, v, scale=0.25, mask=None) is NotImplemented
+    assert Fp16Cache(max_queries=0).attention(q, k, v, scale=0.25, mask="causal") is NotImplemented
+    unroute_attention()
+    assert qwen3.scaled_dot_product_attention is base.scaled_dot_product_attention and not routed_modules()
+
+
+def test_batch_cache_steps_through_the_decode_kernel(kernels_here, monkeypatch, model_dir):
+    """An Fp16BatchCache's one-query step goes to `batch_decode` (each row from its own
+    first position, no mask array); mlx-lm's BatchKVCache keeps the stock path; both
+    agree."""
+    from mlx_lm import load
+    from mlx_lm.models import llama
+
+    route_attention(load(str(model_dir("llama")))[0])
+    sdpa = llama.scaled_dot_product_attention
+    launched = []
+    op = registry.OPS["batch_decode"]
+    monkeypatch.setattr(op, "kernel_form", lambda *a, form=op.kernel_form: launched.append(1) or form(*a))
     pads = [3, 0, 40]
     q = mx.random.normal((3, 4, 1, 64), key=mx.random.key(1))
     new_k, new_v = (mx.random.normal((3, 2, 1, 64), key=mx.random.key(s)) for s in (4, 5))
@@ -80,34 +97,37 @@ def test_hook_routes_marked_batch_caches_only():
         keys, values = cache.update_and_fetch(new_k, new_v)
         return sdpa(q, keys, values, cache=cache, scale=0.125, mask=mask)
 
-    stock = step(batch_cache(3, 2, 64, 64, pads, mx.float32))
-    fused = step(attention.mark_cache([batch_cache(3, 2, 64, 64, pads, mx.float32)])[0])
-    assert calls == ["stock"]
+    stock = step(batch_cache(BatchKVCache, pads))
+    assert not launched
+    fused = step(batch_cache(Fp16BatchCache, pads, kernels=True))
+    assert launched == [1]
     assert np.abs(np.array(stock) - np.array(fused)).max() < 1e-4
+    unroute_attention()
 
 
-def compiled_steps_against_uncompiled(kernel: bool, steps: int = 40, fused: bool = False) -> float:
-    """Largest logit difference between the compiled step (big buffers plus
-    the recent window, flushed when full) and mlx-lm's BatchKVCache stepped
-    uncompiled, float32, over `steps` steps. `fused`: the weights fused, so
-    that the step runs through `step_forward` (and, with `kernel`, the fused
-    step kernel); else through the model's own layers."""
-    from batchgen.bench import random_model
+def compiled_steps_against_uncompiled(path, kernel: bool, steps: int = 40, fused: bool = False) -> float:
+    """Largest logit difference between the compiled step (big buffers plus the recent
+    window, flushed when full) and mlx-lm's BatchKVCache stepped uncompiled, float32,
+    over `steps` steps. `fused`: the weights fused, so that the step runs through
+    `step_forward` (and, with `kernel`, the fused step kernel); else through the model's
+    own layers."""
+    from mlx_lm import load
+
     from batchgen.step.compiled import CompiledSteps
-    from batchgen.transforms.fusion import fuse_model
     from batchgen.step.forward import make_step_forward
+    from batchgen.transforms.fusion import fuse_model
 
-    model, _ = random_model("qwen2.5-0.5b", "float32", None, 0)
+    model, _ = load(str(path))
     if fused:
         fuse_model(model)
     assert (make_step_forward(model) is not None) == fused
-    attention.install_short_attention(model)
+    route_attention(model)
     try:
         pads = [0, 9, 3, 30]
-        prompt = mx.random.randint(0, 1000, (len(pads), 40), key=mx.random.key(2))
+        prompt = mx.random.randint(0, 300, (len(pads), 40), key=mx.random.key(2))
         caches = []
-        for _ in range(2):
-            cache = attention.mark_cache([BatchKVCache(pads) for _ in model.layers])
+        for kind in (BatchKVCache, Fp16BatchCache):
+            cache = [kind(pads) for _ in model.layers]
             model(prompt, cache=cache)
             mx.eval([c.state for c in cache])
             caches.append(cache)
@@ -121,16 +141,18 @@ def compiled_steps_against_uncompiled(kernel: bool, steps: int = 40, fused: bool
             y = tokens.astype(mx.uint32)
         return worst
     finally:
-        attention.uninstall_short_attention(model)
+        unroute_attention()
 
 
-def test_compiled_step_through_the_kernel_matches_the_uncompiled_step():
-    """The step kernel (big buffers, window and new token; the window written
-    on the way) gives mlx-lm's uncompiled step's logits, across a flush."""
-    assert compiled_steps_against_uncompiled(kernel=True) < 1e-3
-
-
-def test_fused_step_kernel_matches_the_uncompiled_step():
-    """`step_forward` with the fused step kernel (q and the new k read from the
-    rotated projection, v from the projection) gives the uncompiled step's logits."""
-    assert compiled_steps_against_uncompiled(kernel=True, fused=True) < 1e-3
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_step_through_the_kernel_matches_the_uncompiled_step(kernels_here, model_dir, monkeypatch, fused):
+    """The step kernel (big buffers, window and new token; the window written on the
+    way) gives mlx-lm's uncompiled step's logits across a flush; `fused`: through
+    `step_forward` and the fused step kernel (q and the new k read from the rotated
+    projection, v from the projection)."""
+    path = model_dir("qwen2", hidden_size=256)  # head dim 64, one the kernels take
+    op = registry.OPS["batch_fused_step" if fused else "batch_step"]
+    traced = []
+    monkeypatch.setattr(op, "kernel_form", lambda *a, form=op.kernel_form: traced.append(1) or form(*a))
+    assert compiled_steps_against_uncompiled(path, kernel=True, fused=fused) < 1e-3
+    assert traced  # the recording went through the kernel op (each layer, each recording)

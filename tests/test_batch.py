@@ -531,8 +531,8 @@ def test_freed_rows_are_emptied_and_the_batch_shrinks_only_where_told(model_dir,
     def spy():
         freed = [i for i in sched.freed if sched.rows[i] is None]
         real_empty()
-        if freed and sched.cache[0]._idx:
-            emptied.append(all(c.left_padding[i].item() == c._idx for c in sched.cache for i in freed))
+        if freed and sched.cache[0].write_position:
+            emptied.append(all(c.left_padding[i].item() == c.write_position for c in sched.cache for i in freed))
 
     sched._empty_freed = spy
     seq = {r.id: r.text for r in load(1).run_all(jobs())}

@@ -20,7 +20,8 @@ RANKS = {
     "batchgen.jobs": 0,
     "batchgen.output": 0,
     "batchgen.stats": 0,
-    "batchgen.kernels": 10,  # leaves: kernels, then caches and model transforms, then decoders
+    "batchgen.turboquant": 9,  # leaves: TurboQuant's maths (codec, reference), kernels, then caches and
+    "batchgen.kernels": 10,  # model transforms, then decoders
     "batchgen.cache": 11,
     "batchgen.transforms": 11,
     "batchgen.decode": 12,

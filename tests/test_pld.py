@@ -264,7 +264,7 @@ def test_pld_sampling_is_reproducible_per_seed(model_dir):
 def test_short_attention_path_keeps_pld_exact(model_dir, arch):
     """The plain-op attention used for short passes on CUDA gives the same
     greedy text as the fused kernel (float32)."""
-    from batchgen.kernels.attention import uninstall_short_attention
+    from batchgen.cache.fp16 import Fp16Cache
 
     path = model_dir(arch)
     reference = pld_engine(path)
@@ -272,17 +272,15 @@ def test_short_attention_path_keeps_pld_exact(model_dir, arch):
                        decode=DecodeConfig(draft="pld", pld_adaptive=False, pld_static_shapes=True),
                        prompt_cache=PromptCacheConfig(enabled=True, prewarm=False))  # fmt: skip
     engine = Engine.load(cfg)
-    try:
-        for text in LOOPY + USER_TEXTS[:2]:
-            a = reference.run(make_job(text, max_tokens=40, draft="none"))
-            b = engine.run(make_job(text, max_tokens=40))
-            assert b.text == a.text, (arch, text)
-    finally:
-        uninstall_short_attention(engine.model)
+    assert all(c.max_queries > 1 for c in engine.make_cache(engine.config.kv) if isinstance(c, Fp16Cache))
+    for text in LOOPY + USER_TEXTS[:2]:
+        a = reference.run(make_job(text, max_tokens=40, draft="none"))
+        b = engine.run(make_job(text, max_tokens=40))
+        assert b.text == a.text, (arch, text)
 
 
 def test_short_attention_matches_fused_kernel():
-    from batchgen.kernels.attention import short_attention
+    from batchgen.cache.fp16 import short_attention
 
     mx.random.seed(0)
     for heads, kv_heads, L, S in [(4, 2, 6, 37), (8, 8, 2, 2), (6, 2, 17, 300)]:
@@ -301,7 +299,7 @@ def test_short_attention_over_left_padded_rows_stays_finite():
     queries through its cache), and the real positions as the fused kernel gives."""
     from mlx_lm.models.base import create_causal_mask
 
-    from batchgen.kernels.attention import short_attention
+    from batchgen.cache.fp16 import short_attention
 
     mx.random.seed(1)
     q, k, v = mx.random.normal((2, 4, 6, 16)), mx.random.normal((2, 2, 6, 16)), mx.random.normal((2, 2, 6, 16))

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from batchgen.kernels import projection
-from batchgen.kernels.attention import install_short_attention, mark_cache
+from batchgen.cache.fp16 import Fp16BatchCache
+from batchgen.kernels import projection, registry
 from batchgen.step.compiled import CompiledSteps
+from batchgen.transforms.attention import route_attention
 from batchgen.transforms.fusion import fuse_model
-from mlx_lm.models.cache import BatchKVCache
 
 cuda = pytest.mark.cuda
 
@@ -39,14 +39,14 @@ def bf16(*shape, seed: int):
     ((2, 8, 896), (1152, 896), mx.bfloat16, False),  # 3-D activations
 ])  # fmt: skip
 def test_which_products_it_takes(monkeypatch, x_shape, w_shape, dtype, takes):
-    monkeypatch.setattr(projection, "available", lambda: True)
+    monkeypatch.setattr(registry, "available", lambda: True)
     monkeypatch.setattr(projection, "MAX_ROWS", 32)
     monkeypatch.setattr(projection, "MAX_WEIGHT_BYTES", 1 << 40)
     assert projection.takes(mx.zeros(x_shape, dtype), mx.zeros(w_shape, dtype)) is takes
 
 
 def test_nothing_on_a_machine_without_cuda(monkeypatch):
-    monkeypatch.setattr(projection, "available", lambda: False)
+    monkeypatch.setattr(registry, "available", lambda: False)
     assert not projection.takes(mx.zeros((8, 64), mx.bfloat16), mx.zeros((64, 64), mx.bfloat16))
 
 
@@ -57,7 +57,7 @@ def test_column_tiles_follow_the_rows_and_row_tiles_the_outputs():
 
 
 def test_many_rows_and_large_weights_stay_with_the_matmul(monkeypatch):
-    monkeypatch.setattr(projection, "available", lambda: True)
+    monkeypatch.setattr(registry, "available", lambda: True)
     monkeypatch.setattr(projection, "MAX_WEIGHT_BYTES", 1152 * 896 * 2)
     x = mx.zeros((projection.MAX_ROWS, 896), mx.bfloat16)
     assert projection.takes(x, mx.zeros((1152, 896), mx.bfloat16))
@@ -66,7 +66,7 @@ def test_many_rows_and_large_weights_stay_with_the_matmul(monkeypatch):
 
 
 def test_the_shipped_limits_cover_a_small_models_layers_and_not_a_7b_ones(monkeypatch):
-    monkeypatch.setattr(projection, "available", lambda: True)
+    monkeypatch.setattr(registry, "available", lambda: True)
     x, x7 = mx.zeros((8, 896), mx.bfloat16), mx.zeros((8, 3584), mx.bfloat16)
     assert projection.takes(x, mx.zeros((4864 * 2, 896), mx.bfloat16))  # the 0.5B shape's gate|up, 17 MB
     assert not projection.takes(x7, mx.zeros((4608, 3584), mx.bfloat16))  # the 7B shape's q|k|v, 33 MB
@@ -94,13 +94,13 @@ def test_step_forward_through_the_kernel_keeps_the_logits(model_dir, monkeypatch
     model, _ = load(str(model_dir(arch)))
     model.set_dtype(mx.bfloat16)
     fuse_model(model)
-    install_short_attention(model)
-    cache = mark_cache([BatchKVCache([0, 3, 9]) for _ in model.layers])
+    route_attention(model)
+    cache = [Fp16BatchCache([0, 3, 9], kernels=True) for _ in model.layers]
     model(mx.random.randint(0, 300, (3, 24), key=mx.random.key(1)), cache=cache)
     mx.eval([c.state for c in cache])
     calls = []
-    real = projection.project
-    monkeypatch.setattr(projection, "project", lambda *a: calls.append(1) or real(*a))
+    real = projection.PROJECTION.launch
+    monkeypatch.setattr(projection.PROJECTION, "launch", lambda *a: calls.append(1) or real(*a))
     inputs = mx.random.randint(0, 300, (6, 3), key=mx.random.key(2)).astype(mx.uint32)
     logits = {}
     for rows in (0, projection.MAX_ROWS):

@@ -10,11 +10,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from batchgen.kernels.attention import install_short_attention, mark_cache
+from batchgen.cache.fp16 import Fp16BatchCache
 from batchgen.step.compiled import CompiledSteps
+from batchgen.transforms.attention import route_attention
 from batchgen.transforms.fusion import fuse_model
 from batchgen.step.forward import _unsupported, make_step_forward
-from mlx_lm.models.cache import BatchKVCache
 
 import tiny
 
@@ -23,12 +23,12 @@ def _model(model_dir, arch, fuse=True, **kw):
     model, _ = load(str(model_dir(arch, **kw)))
     if fuse:
         fuse_model(model)
-    install_short_attention(model)
+    route_attention(model)
     return model
 
 
 def _filled(model, pads: list[int], length: int = 24) -> list:
-    cache = mark_cache([BatchKVCache(pads) for _ in model.layers])
+    cache = [Fp16BatchCache(pads, kernels=True) for _ in model.layers]
     model(mx.random.randint(0, 300, (len(pads), length), key=mx.random.key(1)), cache=cache)
     mx.eval([c.state for c in cache])
     return cache

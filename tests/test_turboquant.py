@@ -1,9 +1,10 @@
-"""TurboQuant codec, cache protocol and model-level quality (CPU, float32)."""
+"""TurboQuant's cache (cache/turboquant.py): protocol, its attention against the reading
+rule's reference (turboquant/reference.py), state, and model-level quality (CPU, float32).
+The codec's tests: test_turboquant_codec.py."""
 
 from __future__ import annotations
 
 import copy
-import math
 
 import mlx.core as mx
 import mlx_lm
@@ -13,126 +14,12 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from batchgen.cache import turboquant as tq
+from batchgen.cache.factory import make_turboquant_cache
+from batchgen.transforms.attention import route_attention, unroute_attention
+from batchgen.turboquant import reference
+from batchgen.turboquant.codec import packed_words, rotation
 
 from tiny import ARCHS
-
-# Expected squared error of a unit vector, E||x - x_hat||^2, for the MSE-optimal
-# scalar quantizer: d x the per-coordinate Lloyd-Max cost of N(0, 1/d). The
-# paper (Theorem 1) quotes these rounded as ~0.117, ~0.03, ~0.009 for b = 2, 3, 4;
-# the exact costs are 0.1175, 0.03455, 0.009501 (3 bits is 0.0345, not 0.030).
-REFERENCE_MSE = {2: 0.1175, 3: 0.03455, 4: 0.009501}
-
-
-def unit_vectors(n: int, d: int, seed: int = 0) -> mx.array:
-    x = mx.random.normal((n, d), key=mx.random.key(seed))
-    return x / mx.linalg.norm(x, axis=-1, keepdims=True)
-
-
-# --------------------------------------------------------------------------------------
-# Codec
-# --------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
-def test_codebook_table_is_lloyd_max_of_the_gaussian(bits):
-    levels = tq.codebook(bits).astype(np.float64)
-    np.testing.assert_allclose(tq.lloyd_max_codebook(bits), levels, atol=2e-6)
-    # Independently of the helper: each level is the mean of N(0, 1) over its cell,
-    # the cells split at midpoints (closed form: (phi(a) - phi(b)) / (Phi(b) - Phi(a))).
-    edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
-    cdf = np.array([0.5 * (1 + math.erf(e / math.sqrt(2))) for e in edges])
-    pdf = np.exp(-0.5 * np.nan_to_num(edges, posinf=50, neginf=-50) ** 2)
-    centroids = (pdf[:-1] - pdf[1:]) / math.sqrt(2 * math.pi) / np.diff(cdf)
-    np.testing.assert_allclose(centroids, levels, atol=2e-6)
-
-
-def test_beta_codebook_tends_to_the_gaussian_table():
-    # The exact coordinate law of a rotated unit vector in dim d approaches N(0, 1/d).
-    far = np.abs(tq.lloyd_max_codebook(4, 16) - tq.codebook(4)).max()
-    near = np.abs(tq.lloyd_max_codebook(4, 512) - tq.codebook(4)).max()
-    assert near < 0.03 < far
-
-
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_mse_distortion_matches_the_paper(dim, bits):
-    x = unit_vectors(4000, dim, seed=bits)
-    rot = tq.rotation(dim, 0)
-    words, norms = tq.quantize(x, bits, rot)
-    x_hat = tq.dequantize(words, norms, bits, rot)
-    mse = mx.mean(mx.sum((x_hat - x) ** 2, axis=-1)).item()
-    assert abs(mse - REFERENCE_MSE[bits]) < 0.10 * REFERENCE_MSE[bits], mse
-
-
-def test_more_bits_less_error():
-    x = unit_vectors(1000, 128)
-    rot = tq.rotation(128, 3)
-    errs = [
-        mx.mean((tq.dequantize(*tq.quantize(x, b, rot), b, rot) - x) ** 2).item()
-        for b in (2, 3, 4, 5)
-    ]
-    assert errs == sorted(errs, reverse=True)
-
-
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("count", [16, 64, 80, 128])
-def test_pack_unpack_round_trip(bits, count):
-    codes = mx.random.randint(0, 2**bits, (2, 3, count), key=mx.random.key(bits))
-    codes = codes.astype(mx.uint32)
-    words = tq.pack_codes(codes, bits)
-    assert words.dtype == mx.uint32
-    assert words.shape == (2, 3, tq.packed_words(count, bits))
-    assert mx.array_equal(tq.unpack_codes(words, bits, count), codes)
-
-
-def test_packing_is_compact():
-    # 3-bit codes straddle word boundaries: 128 codes = 384 bits = 12 words exactly.
-    assert tq.packed_words(128, 3) == 12
-    assert tq.packed_words(128, 4) == 16
-    assert tq.packed_words(64, 2) == 4
-    assert tq.packed_words(64, 5) == 10
-
-
-def test_pack_known_layout():
-    # Code i occupies bits [3i, 3i + 3) of the little-endian bit stream.
-    codes = mx.zeros((32,), mx.uint32)
-    codes[10] = 7  # bits 30..32: straddles words 0 and 1
-    words = np.array(tq.pack_codes(codes, 3))
-    assert words.tolist() == [0b11 << 30, 0b1, 0]
-
-
-@pytest.mark.parametrize("dim", [16, 64, 128, 80, 96])
-def test_rotation_is_orthogonal(dim):
-    rot = tq.rotation(dim, 1)
-    assert rot.hadamard == (dim & (dim - 1) == 0)
-    eye = mx.eye(dim)
-    m = rot.forward(eye)
-    assert mx.allclose(m @ m.T, eye, atol=1e-5)
-    x = mx.random.normal((50, dim), key=mx.random.key(2))
-    y = rot.forward(x)
-    assert mx.allclose(
-        mx.linalg.norm(y, axis=-1), mx.linalg.norm(x, axis=-1), rtol=1e-5
-    )
-    assert mx.allclose(rot.inverse(y), x, atol=1e-5)
-
-
-def test_rotation_is_seeded():
-    x = mx.random.normal((4, 64), key=mx.random.key(0))
-    a = tq.Rotation(64, 5).forward(x)
-    assert mx.array_equal(a, tq.Rotation(64, 5).forward(x))
-    assert not mx.allclose(a, tq.Rotation(64, 6).forward(x))
-
-
-def test_outlier_channel_is_spread_by_the_rotation():
-    # A key dominated by one channel: after the rotation every coordinate carries
-    # 1/sqrt(d) of it, so the codebook (not a per-group range) bounds the error.
-    x = mx.zeros((1, 128))
-    x[0, 3] = 50.0
-    x = x + 0.1 * mx.random.normal((1, 128), key=mx.random.key(1))
-    rot = tq.rotation(128, 0)
-    y = rot.forward(x) / mx.linalg.norm(x)
-    assert mx.abs(y).max().item() < 3.5 / math.sqrt(128)
-
 
 # --------------------------------------------------------------------------------------
 # Cache protocol
@@ -270,23 +157,17 @@ def test_rows_of_one_padded_pass_equal_passes_of_their_own(prefix):
     assert group.offset == prefix + 40 and group.key_codes.shape[0] == len(tails)
 
 
-def reference_window_attention(cache, exact_k, exact_v, q, scale):
-    """Per query i: exact keys/values for i - window < j <= i, decoded otherwise."""
-    coded_k, coded_v = cache.keys_and_values()
-    B, n_q_heads, L_q, _ = q.shape
-    rep = n_q_heads // coded_k.shape[1]
-    n = cache.offset
-    outs = []
-    for r in range(L_q):
-        i = n - L_q + r
-        pos = mx.arange(n)[None, None, :, None]
-        use = (pos > i - cache.window) & (pos <= i)
-        k = mx.where(use, exact_k, coded_k)[:, :, : i + 1]
-        v = mx.where(use, exact_v, coded_v)[:, :, : i + 1]
-        k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-        s = (q[:, :, r : r + 1] * scale) @ k.swapaxes(-1, -2)
-        outs.append(mx.softmax(s, axis=-1) @ v)
-    return mx.concatenate(outs, axis=2)
+def reference_attention(cache, exact_k, exact_v, q, scale):
+    """The reading rule's reference over the cache's codes: exact keys and values where
+    a query reads them exactly, the cache's own codes elsewhere (so chunking must not
+    have changed them)."""
+    kc, kn, vc, vn = cache._coded()
+    n, L = cache.offset, q.shape[2]
+    dk = reference.decoded_like(exact_k, kc, kn, cache.key_bits, rotation(cache.key_dim, cache.seed), cache.sink_tokens)
+    dv = reference.decoded_like(exact_v, vc, vn, cache.value_bits, rotation(cache.value_dim, cache.seed),
+                                cache.sink_tokens)  # fmt: skip
+    return reference.attention(q, mx.arange(n - L, n), exact_k, exact_v, dk, dv, sink_tokens=cache.sink_tokens,
+                               window=cache.window, scale=scale)  # fmt: skip
 
 
 def test_query_block_bounds_the_scores():
@@ -295,20 +176,20 @@ def test_query_block_bounds_the_scores():
     assert tq.query_block(28, 10**7) == 16
 
 
+@pytest.mark.parametrize("options", [{}, {"sink_tokens": 0}, {"window": 1, "trim_reserve": 0}])
 @pytest.mark.parametrize("flash", [False, True])
 @pytest.mark.parametrize("chunks", [[37], [30, 7], [1] * 12, [20, 5, 1, 11], "blocks of 16"])
-def test_rotated_attention_reads_each_querys_window(chunks, flash, monkeypatch):
-    """GQA (4 query heads on 2 kv heads), window exactness, masks and the rotation;
-    multi-query passes blocked (ops) or as one masked mx.fast attention call."""
-    monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
+def test_attention_is_the_reading_rule(chunks, flash, options, monkeypatch):
+    """GQA (4 query heads on 2 kv heads), sinks, window exactness, masks and the
+    rotation, against turboquant/reference.py; multi-query passes blocked (ops) or as
+    one masked mx.fast attention call (`fused_prefill`)."""
     if chunks == "blocks of 16":  # a prefill chunk attended 16 queries at a time
         monkeypatch.setattr(tq, "_SCORE_BYTES", 1)
         chunks = [37]
     total = sum(chunks)
     k, v = kv(total, 11)
     q = mx.random.normal((1, 4, total, 64), key=mx.random.key(12))
-    cache = tq.TurboQuantKVCache(4)
-    cache.routed = True
+    cache = tq.TurboQuantKVCache(4, fused_prefill=flash, routed=True, **options)
     start, outs = 0, []
     for n in chunks:
         cache.update_and_fetch(k[:, :, start : start + n], v[:, :, start : start + n])
@@ -318,7 +199,7 @@ def test_rotated_attention_reads_each_querys_window(chunks, flash, monkeypatch):
     got = mx.concatenate(outs, axis=2)
     # The reference rebuilds every query's keys from the final cache, so this also
     # checks that chunking changes nothing.
-    want = reference_window_attention(cache, k, v, q, 0.125)
+    want = reference_attention(cache, k, v, q, 0.125)
     assert mx.allclose(got, want, atol=2e-5), mx.abs(got - want).max()
 
 
@@ -333,8 +214,7 @@ def test_flash_mask_literal():
 
 
 def test_unrouted_cache_falls_back_to_fetch():
-    c = tq.TurboQuantKVCache(4)
-    c.routed = True  # but nobody calls c.attention
+    c = tq.TurboQuantKVCache(4, routed=True)  # but nobody calls c.attention
     c.update_and_fetch(*kv(6, 0))
     c.update_and_fetch(*kv(1, 1))
     assert not c.routed and c._chunk is None
@@ -365,7 +245,7 @@ def test_save_load_prompt_cache_file(tmp_path):
         c.update_and_fetch(*kv(12, 7))
     caches[2][0] = mx.ones((1, 3))
     path = str(tmp_path / "cache.safetensors")
-    tq.save_prompt_cache(path, caches, {"model": "tiny"})
+    mlx_cache.save_prompt_cache(path, caches, {"model": "tiny"})
     # mlx-lm's own loader works too: the class is registered on import.
     loaded, meta = mlx_cache.load_prompt_cache(path, return_metadata=True)
     assert meta == {"model": "tiny"}
@@ -381,8 +261,8 @@ def test_save_load_prompt_cache_file(tmp_path):
 
 def test_save_load_empty_cache(tmp_path):
     path = str(tmp_path / "empty.safetensors")
-    tq.save_prompt_cache(path, [tq.TurboQuantKVCache(4)])
-    (c,) = tq.load_prompt_cache(path)
+    mlx_cache.save_prompt_cache(path, [tq.TurboQuantKVCache(4)])
+    (c,) = mlx_cache.load_prompt_cache(path)
     assert c.empty()
     assert c.update_and_fetch(*kv(3, 0))[0].shape == (1, 2, 3, 64)
 
@@ -397,7 +277,7 @@ def test_nbytes_at_most_030_of_fp16_from_512_tokens(dim):
     assert ratio <= 0.30, ratio
     # What is counted: 4 sink tokens and 8 - 1 + 5 recent copies (fp16), codes for
     # positions 4.. (capacity in 256-token steps: 512) with two fp16 norms each.
-    words = tq.packed_words(dim, 5) + tq.packed_words(dim, 3)
+    words = packed_words(dim, 5) + packed_words(dim, 3)
     exact = (4 + 12) * 4 * dim * 2 * 2
     coded = 512 * 4 * (words * 4 + 2 * 2)
     assert c.nbytes == exact + coded
@@ -434,9 +314,9 @@ def test_bad_arguments_fail_early():
 
 @pytest.fixture(autouse=True, scope="module")
 def _restore_stock_attention():
-    # make_turboquant_cache routes attention through our cache; leave mlx-lm as found.
+    # make_turboquant_cache routes attention through our caches; leave mlx-lm as found.
     yield
-    tq.uninstall_attention()
+    unroute_attention()
 
 
 @pytest.fixture(scope="module")
@@ -470,7 +350,7 @@ def random_tokens(n, seed=0, vocab=320):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_model_generates_and_stays_close(tiny_models, arch):
     model, tokenizer = tiny_models[arch]
-    cache = tq.make_turboquant_cache(model, bits=4)
+    cache = make_turboquant_cache(model, bits=4)
     stock = fp_cache(model) or [KVCache() for _ in model.layers]
     assert len(cache) == len(stock)
     for c, s in zip(cache, stock):
@@ -487,11 +367,11 @@ def test_model_generates_and_stays_close(tiny_models, arch):
     tokens = random_tokens(96, seed=1)
     stock = fp_cache(model) or [KVCache() for _ in model.layers]
     ref = teacher_forced_logits(model, tokens, stock, 48)
-    got = teacher_forced_logits(model, tokens, tq.make_turboquant_cache(model, 4), 48)
+    got = teacher_forced_logits(model, tokens, make_turboquant_cache(model, 4), 48)
     kl, top1 = kl_and_top1(ref, got)
     # Random tiny models amplify any perturbation (a broken cache gives KL > 1), so
     # also compare with a deliberately coarse cache on the same model.
-    coarse = tq.make_turboquant_cache(
+    coarse = make_turboquant_cache(
         model, 2, key_bits=2, value_bits=2, sink_tokens=0, window=0
     )
     kl_coarse, _ = kl_and_top1(ref, teacher_forced_logits(model, tokens, coarse, 48))
@@ -503,21 +383,21 @@ def test_attention_hook_matches_dequantize_on_fetch(tiny_models):
 
     model, _ = tiny_models["qwen3_5"]
     tokens = random_tokens(40, seed=2)
-    reference = teacher_forced_logits(model, tokens, model.make_cache(), 1)
-    tq.uninstall_attention()
-    fetch = tq.make_turboquant_cache(model, 4, rotated_attention=False)
+    stock_logits = teacher_forced_logits(model, tokens, model.make_cache(), 1)
+    unroute_attention()
+    fetch = make_turboquant_cache(model, 4, rotated_attention=False)
     assert qwen3_next.scaled_dot_product_attention is base.scaled_dot_product_attention
     plain = teacher_forced_logits(model, tokens, fetch, 1)
-    routed = tq.make_turboquant_cache(model, 4)
-    assert tq.install_attention(model) == ["mlx_lm.models.qwen3_next"]
+    routed = make_turboquant_cache(model, 4)
+    assert route_attention(model) == ["mlx_lm.models.qwen3_next"]
     assert all(c.routed for c in routed if isinstance(c, tq.TurboQuantKVCache))
     hooked = teacher_forced_logits(model, tokens, routed, 1)
     # One token at a time both read the same window: same logits up to rounding.
     assert mx.allclose(hooked, plain, atol=1e-4), mx.abs(hooked - plain).max()
     # Other caches go through the stock attention, unchanged.
     stock = teacher_forced_logits(model, tokens, model.make_cache(), 1)
-    assert mx.array_equal(stock, reference)
-    tq.uninstall_attention()
+    assert mx.array_equal(stock, stock_logits)
+    unroute_attention()
     assert qwen3_next.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
@@ -540,7 +420,7 @@ def test_4bit_at_least_as_close_as_mlx_affine_4bit(model_dir):
     affine = [QuantizedKVCache(group_size=64, bits=4) for _ in range(n)]
     got = teacher_forced_logits(model, tokens, affine, 1000)
     kl_affine, top_affine = kl_and_top1(ref, got)
-    ours = tq.make_turboquant_cache(model, 4)
+    ours = make_turboquant_cache(model, 4)
     kl_tq, top_tq = kl_and_top1(ref, teacher_forced_logits(model, tokens, ours, 1000))
     assert kl_tq <= kl_affine and top_tq >= top_affine, (
         kl_tq,

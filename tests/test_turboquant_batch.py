@@ -1,17 +1,22 @@
 """TurboQuant's codes as a continuous batch's KV cache: float32 greedy texts
 equal each job's alone over TurboQuant's own cache; the rows hold codes."""
 
+from contextlib import nullcontext
+
 import mlx.core as mx
 import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
+from batchgen.cache.turboquant import TurboQuantKVCache
+from batchgen.cache.turboquant_rows import TurboQuantBatchLayer, TurboQuantStepCache
 from batchgen.engine.core import Engine
+from batchgen.kernels import registry
+from batchgen.step.compiled import fit_capacity
 
 
 from test_batch import TEXTS, jobs, record_passes
 from test_engine import make_job
 
-needs_cuda = pytest.mark.cuda
 
 
 def engine(path, batch_size, bits=4, pool=False, prewarm=False, compiled=True):
@@ -196,7 +201,7 @@ def test_a_step_that_cannot_be_recorded_steps_unrecorded(model_dir, monkeypatch,
     assert_same_texts(got, alone)
 
 
-@pytest.mark.parametrize("kernel,trimmed", [(False, False), (False, True), pytest.param(True, False, marks=needs_cuda)])
+@pytest.mark.parametrize("kernel,trimmed", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("bits", [4, 3])
 def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
     """Two rows (3 prompt tokens: sinks still filling; 37: codes, sinks and a
@@ -205,13 +210,15 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
     `TurboQuantKVCache`'s (float32; on CUDA the cache alone takes its own
     one-kernel step, hence the tolerance). `kernel`: the batch's step kernel,
     fed the token as from the model's attention and as from `step_forward`'s
-    fused projection, else its ops. `trimmed`: the long row's cache was cut
+    fused projection (on a CPU its reference standing in), else its ops.
+    `trimmed`: the long row's cache was cut
     back 20 positions (as a pool hit is), its exact copies of the window's
     older positions gone: alone it reads their codes, in the batch its tail."""
-    from batchgen.step.compiled import fit_capacity
-    from batchgen.cache.turboquant import TurboQuantKVCache
-    from batchgen.cache.turboquant_rows import TurboQuantBatchLayer, TurboQuantStepCache
+    with registry.using("standin") if kernel and not registry.available() else nullcontext():
+        rows_against_caches_alone(bits, kernel, trimmed)
 
+
+def rows_against_caches_alone(bits, kernel, trimmed):
     mx.random.seed(0)
     H, G, D, steps, lengths = 2, 3, 64, 20, (3, 37)
     scale = D**-0.5
@@ -219,7 +226,7 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
     values = mx.random.normal((2, H, 37 + steps, D))
     queries = mx.random.normal((2, H * G, steps, D))
     layer, alone = TurboQuantBatchLayer(2), []
-    layer._idx = 40
+    layer.write_position = 40
     for b, n in enumerate(lengths):
         c = TurboQuantKVCache(bits, seed=7)
         c.routed = False  # a prefill without the attention hook
@@ -238,7 +245,7 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
             layer.write_window(rk, rv, used)
             used = 0
         fit_capacity([layer])
-        meta = mx.array([layer._idx, used, layer.key_codes.shape[2], window], mx.int32)
+        meta = mx.array([layer.write_position, used, layer.key_codes.shape[2], window], mx.int32)
         args = (layer.layout, layer.step_arrays(), rk, rv, meta, layer.left_padding, {}, kernel)
         step = TurboQuantStepCache(*args)
         k = mx.stack([keys[b, :, n + t] for b, n in enumerate(lengths)])[:, :, None]
@@ -246,7 +253,7 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
         q = queries[:, :, t : t + 1]
         step.update_and_fetch(k, v)
         assert (step.new is not None) == kernel
-        got = step.attention(q, scale)
+        got = step.attention(q, scale=scale)
         if kernel:
             fused = TurboQuantStepCache(*args)
             heads = mx.concatenate([q, k, v], axis=1)
@@ -257,7 +264,7 @@ def test_step_attention_reads_what_a_cache_alone_reads(bits, kernel, trimmed):
         rk, rv, used = step.rkeys, step.rvalues, used + 1
         for b, c in enumerate(alone):
             c.update_and_fetch(k[b : b + 1], v[b : b + 1])
-            want = c.attention(queries[b : b + 1, :, t : t + 1], scale)
+            want = c.attention(queries[b : b + 1, :, t : t + 1], scale=scale)
             assert mx.allclose(got[b : b + 1], want, atol=2e-5, rtol=1e-4).item(), (bits, b, t)
         assert step.offset.tolist() == [n + t for n in lengths]
 
@@ -280,7 +287,7 @@ def test_placing_decodes_only_positions_without_recent_copies(monkeypatch, trimm
     c.update_and_fetch(kv, kv * 0.5)
     c.trim(extra)
     layer = T.TurboQuantBatchLayer(1)
-    layer._idx = 40
+    layer.write_position = 40
     layer.place(0, c, n, 1)
     lay = layer.layout
     assert decoded == ([lay.tail, lay.tail] if trimmed else [])  # keys, values

@@ -1,16 +1,16 @@
-"""TurboQuant's step mode: a one-token decode step as one kernel over a window of slots.
+"""TurboQuant's step type (cache/turboquant_step.py): a one-token decode step as one
+kernel over a window of slots.
 
-The kernel (`turboquant_kernels.step`) runs only on CUDA. `reference_step` is the same
-contract as plain ops (encode the new token into its slot, attend over sinks + codes +
-exact window by the reading rule), so on the CPU the cache's bookkeeping around the
-kernel (entering, window flushes and shifts, leaving for trims, chunks and state) is
-checked against the ordinary ops path; on CUDA the kernel is checked against this
-reference (skipped elsewhere).
+The kernel (the `tq_step` op, kernels/turboquant.py) runs only on CUDA. Its reference
+is the same contract as plain ops (encode the new token into its slot, attend over
+sinks + codes + exact window by the reading rule), so on the CPU the cache's bookkeeping
+around the kernel (entering, window flushes and shifts, leaving for trims, chunks and
+state) runs with the reference standing in for the kernel (`registry.using("standin")`)
+and is checked against the base type's ops path; on CUDA the kernel itself is checked
+against the reference (tests/test_kernel_registry.py and below).
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx_lm
@@ -18,82 +18,27 @@ import numpy as np
 import pytest
 
 from batchgen.cache import turboquant as tq
+from batchgen.cache.factory import make_turboquant_cache
+from batchgen.cache.turboquant_step import TurboQuantStepKVCache
+from batchgen.kernels import registry
 from batchgen.kernels import turboquant as kernels
 
 from test_turboquant import kv, random_tokens, teacher_forced_logits
 
-
-def _rotation(signs):
-    return SimpleNamespace(forward=lambda x: mx.hadamard_transform(x * signs), dim=signs.shape[0])
-
-
-def _inverse(y, signs):
-    return mx.hadamard_transform(y) * signs
-
-
-def reference_encode(x, signs, table, edges, bits):
-    return tq.quantize(x, bits, _rotation(signs))
-
-
-def reference_step(q, new, sinks, coded, window, books, meta, chunks, bits):
-    """`turboquant_kernels.step` as plain ops (float32 inside)."""
-    p, S, _, cb, r0, _, e0, _, _, _ = (int(x) for x in np.array(meta))
-    kb, vb = bits
-    k_new, v_new = new
-    dim = k_new.shape[-1]
-    signs, scale = books[:dim], books[dim : dim + 1]
-    wx, wc, wq = window
-    kw = tq.packed_words(dim, kb)
-    wk, wv, wkc, wvc, wkq, wvq = wx[:, :, :, 0], wx[:, :, :, 1], wc[..., :kw], wc[..., kw:], wq[..., 0], wq[..., 1]
-    kc, kq, vc, vq = coded
-    slot = p - r0
-
-    def put(buf, x):
-        return mx.concatenate([buf[:, :, :slot], x.astype(buf.dtype), buf[:, :, slot + 1 :]], axis=2)
-
-    ck, sk_ = tq.quantize(k_new, kb, _rotation(signs))
-    cv, sv_ = tq.quantize(v_new, vb, _rotation(signs))
-    out_window = (put(wx, mx.stack([k_new, v_new], axis=3)), put(wc, mx.concatenate([ck, cv], axis=-1)),
-                  put(wq, mx.stack([sk_, sv_], axis=-1)))  # fmt: skip
-
-    def decoded(codes, scales, b, lo, hi):
-        return _inverse(tq.dequantize_rotated(codes[:, :, lo:hi], scales[:, :, lo:hi], b, dim), signs)
-
-    def positions(sink, big_c, big_s, win_c, win_s, exact, newest, b):
-        parts = [sink[:, :, :S].astype(mx.float32)]
-        big_end = min(cb, e0)
-        if big_end > S:
-            parts.append(decoded(big_c, big_s, b, 0, big_end - S))
-        if e0 > max(cb, S):
-            parts.append(decoded(win_c, win_s, b, max(cb, S) - r0, e0 - r0))
-        parts.append(exact[:, :, max(e0, S) - r0 : p - r0].astype(mx.float32))
-        parts.append(newest.astype(mx.float32))
-        return mx.concatenate(parts, axis=2)
-
-    keys = positions(sinks[0], kc, kq, wkc, wkq, wk, k_new, kb)
-    values = positions(sinks[1], vc, vq, wvc, wvq, wv, v_new, vb)
-    assert keys.shape[2] == p + 1
-    B, n_heads, _, _ = q.shape
-    group = n_heads // keys.shape[1]
-    qg = q.astype(mx.float32).reshape(B, keys.shape[1], group, 1, dim) * scale[0]
-    probs = mx.softmax(qg @ keys[:, :, None].swapaxes(-1, -2), axis=-1, precise=True)
-    out = (probs @ values[:, :, None]).reshape(q.shape)
-    return out.astype(q.dtype), out_window
-
-
-STEP_SUPPORTED = kernels.step_supported
+STEP = kernels.STEP
 
 
 @pytest.fixture
-def step_on_cpu(monkeypatch):
-    """Step mode on this CPU with the reference in the kernel's place."""
-    if kernels.available():
+def step_on_cpu():
+    """Step mode on this CPU, the references standing in for the step and encode kernels."""
+    if registry.available():
         pytest.skip("the GPU runs the real kernel (test_step_kernel_matches_reference)")
-    monkeypatch.setattr(kernels, "available", lambda: True)
-    monkeypatch.setattr(kernels, "step", reference_step)
-    monkeypatch.setattr(kernels, "encode", reference_encode)
-    monkeypatch.setattr(kernels, "step_supported", lambda dim, group, kb, vb: dim in (16, 64, 128))
-    monkeypatch.setattr(tq, "FUSED_KERNELS", False)
+    with registry.using("standin", "tq_step", "tq_encode"):
+        yield
+
+
+# Head dims the step kernel takes (64, 128, 256): the tiny models' own are 16.
+STEP_SHAPES = {"qwen3": {"head_dim": 64}, "llama": {"hidden_size": 256}}
 
 
 def drive(cache, schedule, k, v, q):
@@ -142,17 +87,11 @@ def test_step_mode_matches_the_ops_path(step_on_cpu, name, options):
     total = sum(x for x in schedule if isinstance(x, int))
     k, v = kv(total, 21)
     q = mx.random.normal((1, 4, total, 64), key=mx.random.key(22))
-    stepped = tq.TurboQuantKVCache(**options)
-    stepped.routed = True
-    plain = tq.TurboQuantKVCache(**options)
-    plain.routed = True
+    stepped = TurboQuantStepKVCache(routed=True, **options)
+    plain = tq.TurboQuantKVCache(routed=True, **options)
     got = drive(stepped, schedule, k, v, q)
     assert stepped._win is not None  # it ended in step mode
-    tq.STEP_KERNEL = False
-    try:
-        want = drive(plain, schedule, k, v, q)
-    finally:
-        tq.STEP_KERNEL = True
+    want = drive(plain, schedule, k, v, q)
     for i, (x, y) in enumerate(zip(got, want)):
         assert mx.allclose(x, y, atol=1e-5), (i, mx.abs(x - y).max())
     same_stored(stepped, plain)
@@ -161,13 +100,12 @@ def test_step_mode_matches_the_ops_path(step_on_cpu, name, options):
 def test_step_mode_counts_its_window_and_settles_for_state(step_on_cpu):
     k, v = kv(60, 3)
     q = mx.random.normal((1, 4, 60, 64), key=mx.random.key(4))
-    c = tq.TurboQuantKVCache(4)
-    c.routed = True
+    c = TurboQuantStepKVCache(4, routed=True)
     drive(c, [20] + [1] * 40, k, v, q)
     assert c._win is not None and c.recent_keys is None
     assert c.nbytes == sum(a.nbytes for a in (c.sink_keys, c.sink_values, c.key_codes, c.key_norms,
                                               c.value_codes, c.value_norms, *c._win))  # fmt: skip
-    restored = tq.TurboQuantKVCache.from_state(c.state)  # settles first
+    restored = TurboQuantStepKVCache.from_state(c.state)  # settles first
     assert c._win is None and c.recent_keys.shape[2] == c._recent_capacity
     assert restored.offset == 60
     for x, y in zip(restored.keys_and_values(), c.keys_and_values()):
@@ -177,8 +115,8 @@ def test_step_mode_counts_its_window_and_settles_for_state(step_on_cpu):
 def test_prefill_encodes_with_the_step_encoder_at_every_bit_width(step_on_cpu, monkeypatch):
     """Keys at 5 bits too: a token's codes never depend on which path stored it."""
     widths = []
-    monkeypatch.setattr(kernels, "step_supported", STEP_SUPPORTED)  # the real limits, values <= 4 bits
-    monkeypatch.setattr(kernels, "encode", lambda x, *a: widths.append(a[-1]) or reference_encode(x, *a))
+    real = kernels.ENCODE.reference
+    monkeypatch.setattr(kernels.ENCODE, "reference", lambda x, bits, rot: widths.append(bits) or real(x, bits, rot))
     c = tq.TurboQuantKVCache(4)
     c.update_and_fetch(*kv(20, 1))
     assert sorted(widths) == [3, 5]
@@ -186,8 +124,7 @@ def test_prefill_encodes_with_the_step_encoder_at_every_bit_width(step_on_cpu, m
 
 def test_step_handed_over_but_never_attended_goes_the_ordinary_way(step_on_cpu):
     k, v = kv(30, 5)
-    c = tq.TurboQuantKVCache(4)
-    c.routed = True
+    c = TurboQuantStepKVCache(4, routed=True)
     c.update_and_fetch(k[:, :, :20], v[:, :, :20])
     c.attention(mx.zeros((1, 4, 20, 64)), scale=0.125, mask="causal")
     c.update_and_fetch(k[:, :, 20:21], v[:, :, 20:21])  # step mode: handed over
@@ -202,16 +139,15 @@ def test_step_handed_over_but_never_attended_goes_the_ordinary_way(step_on_cpu):
 def test_model_decodes_the_same_in_step_mode(step_on_cpu, model_dir):
     """Through the attention hook, grouped-query heads, every layer: float32 logits of
     a teacher-forced decode equal the ops path's."""
-    model, _ = mlx_lm.load(str(model_dir("qwen3")))
+    model, _ = mlx_lm.load(str(model_dir("qwen3", **STEP_SHAPES["qwen3"])))
     tokens = random_tokens(120, seed=5)
-    cache = tq.make_turboquant_cache(model, 4)
+    cache = make_turboquant_cache(model, 4)
     stepped = teacher_forced_logits(model, tokens, cache, 30)
-    assert all(c._win is not None for c in cache)
-    tq.STEP_KERNEL = False
-    try:
-        plain = teacher_forced_logits(model, tokens, tq.make_turboquant_cache(model, 4), 30)
-    finally:
-        tq.STEP_KERNEL = True
+    assert all(isinstance(c, TurboQuantStepKVCache) and c._win is not None for c in cache)
+    with registry.using("reference", "tq_step"):
+        plain_cache = make_turboquant_cache(model, 4)
+        plain = teacher_forced_logits(model, tokens, plain_cache, 30)
+    assert not any(isinstance(c, TurboQuantStepKVCache) for c in plain_cache)
     assert mx.allclose(stepped, plain, atol=1e-4), mx.abs(stepped - plain).max()
 
 
@@ -227,9 +163,7 @@ def test_flash_multi_query_passes_match_the_blocked_path(step_on_cpu, monkeypatc
     q = mx.random.normal((1, 4, total, 64), key=mx.random.key(24))
     outs = {}
     for flash in (True, False):
-        monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
-        cache = tq.TurboQuantKVCache(**options)
-        cache.routed = True
+        cache = TurboQuantStepKVCache(fused_prefill=flash, routed=True, **options)
         outs[flash] = (drive(cache, schedule, k, v, q), cache)
     for i, (x, y) in enumerate(zip(outs[True][0], outs[False][0])):
         assert mx.allclose(x, y, atol=1e-5), (i, mx.abs(x - y).max())
@@ -237,7 +171,7 @@ def test_flash_multi_query_passes_match_the_blocked_path(step_on_cpu, monkeypatc
     assert tq._FLASH_MASK[0] is None  # every schedule ends decoding: the prefill's mask is let go
 
 
-@pytest.mark.skipif(kernels.available(), reason="float32 exactness is a CPU claim (CUDA: the bf16 test below)")
+@pytest.mark.skipif(registry.available(), reason="float32 exactness is a CPU claim (CUDA: the bf16 test below)")
 def test_model_prefills_the_same_through_flash(monkeypatch, model_dir):
     """A tiny qwen3 (grouped heads, every layer): float32 logits of a chunked prefill
     and teacher-forced decode equal the blocked path's."""
@@ -245,8 +179,7 @@ def test_model_prefills_the_same_through_flash(monkeypatch, model_dir):
     tokens = random_tokens(100, seed=6)
     logits = {}
     for flash in (True, False):
-        monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
-        cache = tq.make_turboquant_cache(model, 4)
+        cache = make_turboquant_cache(model, 4, fused_prefill=flash)
         first = model(tokens[None, :40], cache=cache)[0]
         rest = teacher_forced_logits(model, tokens[40:], cache, 25)
         logits[flash] = mx.concatenate([first, rest])
@@ -256,22 +189,6 @@ def test_model_prefills_the_same_through_flash(monkeypatch, model_dir):
 # CUDA: the kernels against the reference
 
 cuda = pytest.mark.cuda
-
-
-@cuda
-@pytest.mark.parametrize("dim,bits", [(64, 5), (128, 3), (128, 2)])
-def test_encode_kernel_matches_quantize(dim, bits):
-    x = mx.random.normal((2, 3, 50, dim), key=mx.random.key(1))
-    rot = tq.rotation(dim, 3)
-    levels, edges = tq.codebook_arrays(bits)
-    codes, scales = kernels.encode(x, rot.signs, levels, edges, bits)
-    want_codes, want_scales = tq.quantize(x, bits, rot)
-    got = np.array(tq.unpack_codes(codes, bits, dim))
-    want = np.array(tq.unpack_codes(want_codes, bits, dim))
-    # float32 sums in another order may move a coordinate that sits on an edge.
-    assert (got != want).mean() < 1e-3
-    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
-    assert mx.allclose(scales.astype(mx.float32), want_scales.astype(mx.float32), rtol=2e-3)
 
 
 @cuda
@@ -308,25 +225,23 @@ def kernel_steps(heads: tuple, dim: int, n: int, steps: int, dtype):
     total = n + steps
     k, v = kv(total, 31, heads=kv_heads, dim=dim, dtype=dtype)
     q = mx.random.normal((1, n_heads, total, dim), key=mx.random.key(32)).astype(dtype)
-    c = tq.TurboQuantKVCache(4)
-    c.routed = True
+    c = TurboQuantStepKVCache(4, routed=True)
     c.update_and_fetch(k[:, :, :n], v[:, :, :n])
     c.attention(q[:, :, n - 1 :], scale=dim**-0.5, mask=None)  # consumes the chunk
-    real = kernels.step
     for t in range(n, total):
         c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         calls = []
-        kernels.step = lambda *a: calls.append(a) or real(*a)
+        STEP.kernel_form = lambda *a, form=STEP.kernel_form: calls.append(a) or form(*a)
         try:
             out = c.attention(q[:, :, t : t + 1], scale=dim**-0.5, mask=None)
         finally:
-            kernels.step = real
-        yield (t, c, out, *reference_step(*calls[0]))
+            del STEP.kernel_form  # the method again
+        yield (t, c, out, *STEP.reference(*calls[0]))
 
 
 @cuda
 @pytest.mark.parametrize("heads,dim", [((14, 2), 64), ((28, 4), 128)])
-def test_flash_on_cuda_matches_the_blocked_path(monkeypatch, heads, dim):
+def test_flash_on_cuda_matches_the_blocked_path(heads, dim):
     """bf16 prefill chunks and a verify pass through cuDNN's fused attention: the
     blocked path's outputs within bf16 rounding (2e-2 of the largest)."""
     n_heads, kv_heads = heads
@@ -336,9 +251,7 @@ def test_flash_on_cuda_matches_the_blocked_path(monkeypatch, heads, dim):
     q = mx.random.normal((1, n_heads, total, dim), key=mx.random.key(42)).astype(mx.bfloat16)
     outs = {}
     for flash in (None, False):
-        monkeypatch.setattr(tq, "FLASH_ATTENTION", flash)
-        cache = tq.TurboQuantKVCache(4)
-        cache.routed = True
+        cache = TurboQuantStepKVCache(4, fused_prefill=flash, routed=True)
         outs[flash] = drive(cache, schedule, k, v, q)
     for i, (x, y) in enumerate(zip(outs[None], outs[False])):
         err = mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max().item()
@@ -395,8 +308,9 @@ def test_pld_and_the_pool_compose_with_step_mode(step_on_cpu, monkeypatch, model
     from test_prompt_cache import JOBS, SYSTEM
 
     steps = []
-    monkeypatch.setattr(kernels, "step", lambda *a: steps.append(1) or reference_step(*a))
-    path = model_dir(arch)
+    real = STEP.reference
+    monkeypatch.setattr(STEP, "reference", lambda *a: steps.append(1) or real(*a))
+    path = model_dir(arch, **STEP_SHAPES[arch])
     plain, fast, pooled = tq_engine(path), tq_engine(path, draft="pld"), tq_engine(path, pool=True)
     drafted = 0
     for text in LOOPY[:3]:

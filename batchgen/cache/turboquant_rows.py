@@ -24,25 +24,10 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ..kernels.attention import (
-    FUSED_STEP_HEAD,
-    HEADER,
-    LANE_PART,
-    MERGE_WEIGHTS,
-    STEP_HEAD,
-    WINDOW_PART,
-    launch,
-)
-from ..kernels.attention import KERNEL_HEAD_SIZES, kernel_takes
-from .turboquant import (
-    CodedHistory,
-    TurboQuantKVCache,
-    codebook_arrays,
-    encode,
-    dequantize,
-    packed_words,
-    rotation,
-)
+from ..kernels.attention import TQ_ROWS_FUSED_STEP, TQ_ROWS_STEP, tq_rows_runs
+from ..kernels.turboquant import encode
+from ..turboquant.codec import codebook_arrays, dequantize, packed_words, rotation
+from .turboquant import CodedHistory, TurboQuantKVCache
 
 
 @dataclass(frozen=True)
@@ -78,6 +63,13 @@ class Layout:
         """Bytes of one position held exactly (a sink, tail or window slot)."""
         return heads * (self.key_dim + self.value_dim) * self.dtype.size
 
+    @property
+    def kernel_constants(self) -> tuple:
+        """The rows' step kernels' template constants (kernels/attention.py)."""
+        return (("KB", self.key_bits), ("VB", self.value_bits), ("KW", packed_words(self.key_dim, self.key_bits)),
+                ("VW", packed_words(self.value_dim, self.value_bits)), ("S", self.sink_tokens), ("E", self.tail),
+                ("WIN", self.window))  # fmt: skip
+
 
 class TurboQuantBatchLayer:
     """One layer of a batch's TurboQuant KV (see the module docstring).
@@ -91,7 +83,7 @@ class TurboQuantBatchLayer:
     def __init__(self, rows: int):
         self.left_padding = mx.zeros((rows,), mx.int32)
         self.offset = mx.zeros((rows,), mx.int32)  # unused in compiled steps; kept beside left_padding
-        self._idx = 0
+        self.write_position = 0  # the buffers' column the next token of every row goes to
         self.layout: Layout | None = None
         for name in self.BUFFERS + self.ROWS:
             setattr(self, name, None)
@@ -129,8 +121,8 @@ class TurboQuantBatchLayer:
             raise ValueError(f"a job's TurboQuant cache {Layout.of(job)} differs from the batch's {self.layout}")
         sink_k, sink_v, kc, kn, vc, vn, *_ = job.state  # (settled: no step-mode window)
         if self.empty:
-            self._allocate(rows, sink_k.shape[1], self._idx)
-        idx, lay, r = self._idx, self.layout, slice(index, index + 1)
+            self._allocate(rows, sink_k.shape[1], self.write_position)
+        idx, lay, r = self.write_position, self.layout, slice(index, index + 1)
         s = min(n, lay.sink_tokens)
         if s:
             self.sink_keys[r, :, :s] = sink_k[:, :, :s]
@@ -180,7 +172,7 @@ class TurboQuantBatchLayer:
         position (capacity made beforehand) and advance it; they become the
         tail's newest exact copies, and where a row's position is below S, its
         sink."""
-        lay, idx = self.layout, self._idx
+        lay, idx = self.layout, self.write_position
         k, v = rkeys[:, :, :n], rvalues[:, :, :n]
         kc, kn = encode(k, lay.key_bits, rotation(lay.key_dim, lay.seed))
         vc, vn = encode(v, lay.value_bits, rotation(lay.value_dim, lay.seed))
@@ -197,7 +189,7 @@ class TurboQuantBatchLayer:
             at = mx.clip(slot, 0, n - 1)[:, None, :, None]
             self.sink_keys = mx.where(inside, mx.take_along_axis(k, at, axis=2), self.sink_keys)
             self.sink_values = mx.where(inside, mx.take_along_axis(v, at, axis=2), self.sink_values)
-        self._idx += n
+        self.write_position += n
 
     def step_arrays(self) -> tuple:
         """What the compiled step takes of this layer."""
@@ -214,10 +206,8 @@ class TurboQuantStepCache:
     (B, H, window, D), `meta` int32 [base, used, capacity, window] as the fp16
     `StepCache`'s. `update_and_fetch` writes the token into window slot
     `used` (or, `kernel` on, hands it to the kernel, which writes it);
-    `attention` (through TurboQuant's attention hook) and `fused_attention`
+    `attention` (through the attention dispatch) and `fused_attention`
     (`step_forward`) attend by the reading rule."""
-
-    turboquant_step = True  # the hook's mark (turboquant._wrap_turboquant)
 
     def __init__(self, layout: Layout, arrays, rkeys, rvalues, meta, left_padding, shared: dict, kernel: bool = False):
         (self.key_codes, self.key_norms, self.value_codes, self.value_norms,
@@ -236,10 +226,10 @@ class TurboQuantStepCache:
         return self.meta[0] + self.meta[1] - self.left_padding
 
     def takes_kernel(self, *new) -> bool:
-        """Whether `step_kernel` serves this layer (CUDA, `kernel` on), fed `new`
-        (the step's keys and values, or the projection they come from)."""
+        """Whether the rows' step kernel serves this layer (CUDA, `kernel` on), fed
+        `new` (the step's keys and values, or the projection they come from)."""
         exact = (*new, self.sink_keys, self.sink_values, self.tail_keys, self.tail_values, self.rkeys, self.rvalues)
-        return self.kernel and kernel_fits(self.layout) and kernel_takes(*exact)
+        return self.kernel and TQ_ROWS_STEP.enabled() and tq_rows_runs(self.layout.kernel_constants, *exact)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None  # `attention` applies the reading rule itself
@@ -255,23 +245,19 @@ class TurboQuantStepCache:
         self.rvalues = mx.slice_update(self.rvalues, values.astype(self.rvalues.dtype), slot, axes=(2,))
         return keys, values  # not read: `attention` reads the layer's own arrays
 
-    def fused_attention(self, roped: mx.array, heads: mx.array, scale: float) -> mx.array:
-        """`step_forward`'s attention through `step_kernel`, q and the new k read
-        from `roped`, the new v from `heads` (see `attention.fused_step_attention`):
-        (B, Hq * D)."""
-        return self._kernel("tq_fused_step", FUSED_STEP_HEAD, roped, {"heads": heads}, scale, True)
+    def _rows(self) -> tuple:
+        return (self.sink_keys, self.sink_values, self.tail_keys, self.tail_values, self.key_codes, self.key_norms,
+                self.value_codes, self.value_norms, self.rkeys, self.rvalues)  # fmt: skip
 
-    def _kernel(self, name: str, head: str, q: mx.array, new: dict, scale: float, flat: bool) -> mx.array:
-        lay, H = self.layout, self.rkeys.shape[1]
-        inputs = {**new, "sk": self.sink_keys, "sv": self.sink_values, "tk": self.tail_keys, "tv": self.tail_values,
-                  "kcode": self.key_codes, "knorm": self.key_norms, "vcode": self.value_codes,
-                  "vnorm": self.value_norms, "rk": self.rkeys, "rv": self.rvalues, "tabs": _tables(lay),
-                  "signs": rotation(lay.key_dim, lay.seed).signs, "left_padding": self.left_padding.astype(mx.int32),
-                  "meta": self.meta}  # fmt: skip
-        q_heads = q.shape[1] - 2 * H if flat else None
-        out, self.rkeys, self.rvalues = launch(name, head + STEP_SOURCE, q, H, inputs, scale,
-                                               {"rk_out": self.rkeys, "rv_out": self.rvalues}, q_heads=q_heads,
-                                               flat=flat, template=kernel_template(lay), header=STEP_HEADER)  # fmt: skip
+    def _kernel_args(self) -> tuple:
+        lay = self.layout
+        return (self._rows(), _tables(lay), rotation(lay.key_dim, lay.seed).signs, self.left_padding, self.meta)
+
+    def fused_attention(self, roped: mx.array, heads: mx.array, scale: float) -> mx.array:
+        """`step_forward`'s attention through the rows' fused step kernel, q and the new
+        k read from `roped`, the new v from `heads`: (B, Hq * D)."""
+        out, self.rkeys, self.rvalues = TQ_ROWS_FUSED_STEP.kernel_form(
+            roped, heads, *self._kernel_args(), scale, self.layout.kernel_constants)
         return out
 
     def _masks(self) -> tuple[mx.array, mx.array]:
@@ -292,15 +278,17 @@ class TurboQuantStepCache:
             self.shared["masks"] = (exact[:, None, None, None, :], coded[:, None, None, None, :])
         return self.shared["masks"]
 
-    def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+    def attention(self, queries: mx.array, keys=None, values=None, *, scale: float, mask=None, sinks=None) -> mx.array:
         """softmax over the exact columns (plain domain) and the coded ones
         (rotated: (R q).(R k) = q.k, and the values' sum comes back through
         R^-1): queries (B, Hq, 1, D) -> (B, Hq, 1, D)."""
         if sinks is not None:
             raise ValueError("TurboQuantStepCache attention does not take `sinks`")
         if self.new is not None:
-            k_new, v_new = self.new
-            return self._kernel("tq_batch_step", STEP_HEAD, queries, {"kn": k_new, "vn": v_new}, scale, False)
+            (k_new, v_new), self.new = self.new, None
+            out, self.rkeys, self.rvalues = TQ_ROWS_STEP.kernel_form(queries, k_new, v_new, *self._kernel_args(), scale,
+                                                                     self.layout.kernel_constants)  # fmt: skip
+            return out
         lay = self.layout
         B, n_heads, _, D = queries.shape
         H = self.key_codes.shape[1]
@@ -320,169 +308,6 @@ class TurboQuantStepCache:
         rotated = coded.values(p[..., n:])
         out = out + rotation(lay.value_dim, lay.seed).inverse(rotated.astype(mx.float32)).astype(dtype)
         return out.reshape(B, n_heads, 1, -1)
-
-
-# ---------------------------------------------------------------------------
-# The step's attention as one kernel (CUDA)
-#
-# On the ops path above a layer's attention is ~50 primitives (0.5B shape, 8
-# rows, 4k tokens: 1,544 a step against 349 for fp16 rows, 12.0 ms against 7.0;
-# H200). `attention.batch_step_attention`'s structure takes it whole: a block
-# per (row, query head), its lane groups over the row's columns with an online
-# softmax, each column's key read exact (a pointer into the sinks, tail, window
-# or the new token) or from its codes (a lane's 8 coordinates of the packed
-# row, against the rotated query), its value added to one of two sums: the
-# exact values' (plain domain) and the coded values' (rotated domain). The
-# block rotates its query and takes the second sum back itself (a Walsh-Hadamard
-# transform in shared memory: `turboquant.Rotation` for power-of-two dims).
-
-STEP_HEADER = HEADER + """
-template <int N>
-__device__ __forceinline__ void tq_fwht(float* h) {  // h = H h (Sylvester order, unnormalized); every thread calls it
-  for (int len = 1; len < N; len <<= 1) {
-    __syncthreads();
-    for (int t = threadIdx.x; t < N / 2; t += blockDim.x) {
-      const int i = (t / len) * 2 * len + (t % len);
-      const float a = h[i], c = h[i + len];
-      h[i] = a + c;
-      h[i + len] = a - c;
-    }
-  }
-  __syncthreads();
-}
-template <int BITS>
-__device__ __forceinline__ unsigned long long tq_bits8(const unsigned int* row, int sub) {
-  // coordinates 8 sub .. 8 sub + 7 of a packed row, the first in the lowest BITS bits (8 BITS <= 40 bits
-  // from a bit offset that is a multiple of 8: within two words)
-  const int pos = sub * 8 * BITS, w = pos >> 5, s = pos & 31;
-  unsigned long long x = row[w];
-  if (s + 8 * BITS > 32) x |= static_cast<unsigned long long>(row[w + 1]) << 32;
-  return x >> s;
-}
-"""
-
-# Column j of row b (its position j - left_padding[b]): the new token at
-# j = p = base + used, window slots above base, sinks (positions below S),
-# the tail (base - E .. base - 1) within the query's window (j > p - WIN), and
-# codes (big buffers) below that. A coded column's norm scales each lane's
-# part of its score before the lanes' sum (the same product, one SEL fewer).
-STEP_SOURCE = WINDOW_PART + LANE_PART + """
-  static_assert(KB <= 5 && VB <= 5, "a lane's 8 codes lie within two words");
-  const int p = base + used;
-  const float unit = rsqrtf((float)D);
-  __shared__ float hq[D], ktab[1 << KB], vtab[1 << VB];
-  for (int t = threadIdx.x; t < (1 << KB); t += blockDim.x) ktab[t] = tabs[t];
-  for (int t = threadIdx.x; t < (1 << VB); t += blockDim.x) vtab[t] = tabs[(1 << KB) + t];
-  for (int d = threadIdx.x; d < D; d += blockDim.x) hq[d] = static_cast<float>(QP[d]) * sc * signs[d];
-  tq_fwht<D>(hq);
-  float qr[PER], qh[PER], acc[PER], acr[PER];
-  ld8(QP + sub * PER, qr);
-  #pragma unroll
-  for (int i = 0; i < PER; i++) {
-    qr[i] *= sc;
-    qh[i] = hq[sub * PER + i] * unit;
-    acc[i] = 0.0f;
-    acr[i] = 0.0f;
-  }
-  #define SEL(j, which) ((j) >= base ? ((j) < p ? r##which + (row * W + (j) - base) * D : which##NEW) \
-     : (j) - start < S ? s##which + (row * S + (j) - start) * D \
-     : (j) > p - WIN ? t##which + (row * E + (j) - base + E) * D : nullptr)
-  #define kNEW KN
-  #define vNEW VN
-  float m = -INFINITY, l = 0.0f;
-  for (int j0 = start + warp * UNROLL * CPW; j0 < stop; j0 += WARPS * UNROLL * CPW) {
-    float s[UNROLL];
-    #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      const int j = j0 + u * CPW + grp;
-      s[u] = 0.0f;
-      if (j < stop) {
-        const auto* kr = SEL(j, k);
-        if (kr != nullptr) {
-          float kx[PER];
-          ld8(kr + sub * PER, kx);
-          #pragma unroll
-          for (int i = 0; i < PER; i++) s[u] += qr[i] * kx[i];
-        } else {
-          const unsigned long long c = tq_bits8<KB>(kcode + (row * cap + j) * KW, sub);
-          #pragma unroll
-          for (int i = 0; i < PER; i++) s[u] += qh[i] * ktab[(c >> (i * KB)) & ((1u << KB) - 1u)];
-          s[u] *= __half2float(knorm[row * cap + j]) * unit;
-        }
-      }
-    }
-    float mn = m;
-    #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      #pragma unroll
-      for (int o = LPC / 2; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
-      if (j0 + u * CPW + grp < stop) mn = fmaxf(mn, s[u]);
-    }
-    if (mn == -INFINITY) continue;  // none of this group's columns this round (the warp's last)
-    const float corr = expf(m - mn);
-    l *= corr;
-    #pragma unroll
-    for (int i = 0; i < PER; i++) {
-      acc[i] *= corr;
-      acr[i] *= corr;
-    }
-    #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      const int j = j0 + u * CPW + grp;
-      if (j < stop) {
-        const float w = expf(s[u] - mn);
-        l += w;
-        const auto* vr = SEL(j, v);
-        if (vr != nullptr) {
-          float vx[PER];
-          ld8(vr + sub * PER, vx);
-          #pragma unroll
-          for (int i = 0; i < PER; i++) acc[i] += w * vx[i];
-        } else {
-          const float f = w * __half2float(vnorm[row * cap + j]) * unit;
-          const unsigned long long c = tq_bits8<VB>(vcode + (row * cap + j) * VW, sub);
-          #pragma unroll
-          for (int i = 0; i < PER; i++) acr[i] += f * vtab[(c >> (i * VB)) & ((1u << VB) - 1u)];
-        }
-      }
-    }
-    m = mn;
-  }
-  __shared__ float sacc[NP * D], sacr[NP * D];
-  #pragma unroll
-  for (int i = 0; i < PER; i++) {
-    sacc[pid * D + sub * PER + i] = acc[i];
-    sacr[pid * D + sub * PER + i] = acr[i];
-  }
-""" + MERGE_WEIGHTS + """
-  float plain = 0.0f;
-  const int d = threadIdx.x;
-  if (d < D) {
-    float rot = 0.0f;
-    #pragma unroll 4
-    for (int x = 0; x < NP; x++) {
-      plain += sacc[x * D + d] * wt[x];
-      rot += sacr[x * D + d] * wt[x];
-    }
-    hq[d] = rot;
-  }
-  tq_fwht<D>(hq);  // the coded values' sum back from the rotated domain: R^-1 y = signs * H y / sqrt(D)
-  if (d < D) out[(size_t)bh * D + d] = tot > 0.0f ? (plain + hq[d] * unit * signs[d]) / tot : 0.0f;
-"""
-
-
-def kernel_fits(layout: Layout) -> bool:
-    """What `STEP_SOURCE` takes: one head size of `KERNEL_HEAD_SIZES` (powers
-    of two: the Hadamard rotation needs one too), sinks and a tail (window > 1)."""
-    d = layout.key_dim
-    return layout.value_dim == d and d in KERNEL_HEAD_SIZES and layout.sink_tokens > 0 and layout.tail > 0
-
-
-def kernel_template(layout: Layout) -> tuple:
-    lay = layout
-    return (("KB", lay.key_bits), ("VB", lay.value_bits), ("KW", packed_words(lay.key_dim, lay.key_bits)),
-            ("VW", packed_words(lay.value_dim, lay.value_bits)), ("S", lay.sink_tokens), ("E", lay.tail),
-            ("WIN", lay.window))  # fmt: skip
 
 
 @lru_cache(maxsize=None)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from ..cache.fp16 import Fp16Cache
 from ..cache.pool import trim_cache
 from ..stats import JobStats
 from .sampling import pick
@@ -113,7 +114,7 @@ def padded_length(n: int, step_size: int) -> int:
 
 def pads_exactly(cache: list) -> bool:
     """Plain KV caches only: their trim drops the pads and nothing else."""
-    return all(type(c) is KVCache for c in cache)
+    return all(type(c) in (KVCache, Fp16Cache) for c in cache)
 
 
 def plain_tokens(model, cache, last: int, sampling, keys, stats: JobStats, t: int = 1) -> Iterator[int]:

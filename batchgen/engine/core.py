@@ -19,8 +19,10 @@ from typing import Iterable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache.factory import CACHE_CLASSES, make_kv_cache
+from ..cache.fp16 import DEFAULT_MAX_QUERIES, as_fp16
 from ..decode import pld
-from ..kernels.attention import mark_cache
+from ..transforms.attention import route_attention
 from ..config import DEFAULT_MAX_TOKENS, EngineConfig, JobPlan, KVConfig
 from ..jobs import BadJob, Job
 from ..cache.pool import (
@@ -106,7 +108,7 @@ def cast_floats(model: nn.Module, dtype) -> None:
 
 def short_attention_wanted(setting: bool | None) -> bool:
     """On by default on MLX's CUDA backend, whose fused attention builds a kernel
-    per new shape of a multi-query pass (see attention.py)."""
+    per new shape of a multi-query pass (cache/fp16.py)."""
     if setting is not None:
         return setting
     return mx.default_device().type == mx.gpu and not mx.metal.is_available()
@@ -198,17 +200,14 @@ class Engine:
         return engine
 
     def make_fast(self) -> None:
-        """Load-time transforms: dtype, weight fusion, the short-pass attention hook."""
+        """Load-time transforms: dtype, weight fusion, attention routed to the caches."""
         if self.config.dtype:
             cast_floats(self.model, getattr(mx, self.config.dtype))
         if self.config.fuse:
             from ..transforms.fusion import fuse_model
 
             self.fusion_report = fuse_model(self.model)
-        if self.short_attention:
-            from ..kernels.attention import install_short_attention
-
-            install_short_attention(self.model)
+        route_attention(self.model)
         mx.clear_cache()
         self.model_memory_gb = mx.get_active_memory() / 1e9
 
@@ -244,19 +243,10 @@ class Engine:
         return JobPlan(decode, kv)
 
     def make_cache(self, kv: KVConfig) -> list:
-        if kv.kind == "turboquant":
-            from ..cache.turboquant import make_turboquant_cache
-
-            # Exact trims up to what a pipelined verify can roll back: its own
-            # pass and the speculative one behind it.
-            reserve = 2 * (self.config.decode.pld_max_lookup + 1)
-            return make_turboquant_cache(self.model, bits=kv.bits, trim_reserve=reserve)
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
-        if self.short_attention:
-            mark_cache(cache)
-        return cache
+        # TurboQuant: exact trims up to what a pipelined verify can roll back, its
+        # own pass and the speculative one behind it.
+        reserve = 2 * (self.config.decode.pld_max_lookup + 1)
+        return make_kv_cache(self.model, kv.kind, kv.bits, short_passes=self.short_attention, trim_reserve=reserve)
 
     # -- prewarm ----------------------------------------------------------
 
@@ -293,9 +283,10 @@ class Engine:
         if cache_dir is not None:
             key = prewarm_key(self.digest, kind, tokens)
             path = Path(cache_dir) / f"prewarm-{key}.safetensors"
-            cache = load_prewarm(path, key, tokens, self._cache_classes())
+            cache = load_prewarm(path, key, tokens, CACHE_CLASSES)
             if cache is not None:
-                return cache, True
+                max_queries = DEFAULT_MAX_QUERIES if self.short_attention else 0
+                return [as_fp16(c, max_queries) for c in cache], True
         cache = self.make_cache(kv)
         self.prefill_tokens(cache, tokens)
         if path is not None:
@@ -321,13 +312,6 @@ class Engine:
         for n in lengths:
             self.prefill_tokens(clone_cache(cache), [0] * n)
         return len(lengths)
-
-    def _cache_classes(self) -> dict:
-        try:
-            from ..core import turboquant
-        except ImportError:
-            return {}
-        return {name: getattr(turboquant, name) for name in getattr(turboquant, "CACHE_CLASSES", ())}
 
     # -- jobs -------------------------------------------------------------
 

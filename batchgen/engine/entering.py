@@ -25,9 +25,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
 
-from ..kernels.attention import mark_cache
+from ..cache.fp16 import empty_like
 from ..config import JobPlan
 from ..decode.passes import generation_stream, logits_at, padded_length, pads_exactly
 from ..cache.pool import clone_cache, common_prefix_len, trim_cache
@@ -203,7 +202,7 @@ def group_cache(cache: list, cached: int, rows: int, length: int) -> list:
         if isinstance(c, TurboQuantKVCache):
             out.append(c.repeated(rows, reserve=length))
             continue
-        g = KVCache()
+        g = empty_like(c)
         if cached:
             g.keys = mx.repeat(c.keys[..., :cached, :], rows, axis=0)
             g.values = mx.repeat(c.values[..., :cached, :], rows, axis=0)
@@ -221,7 +220,7 @@ def cache_row(cache: list, row: int, length: int, padded: int) -> list:
         if isinstance(c, TurboQuantKVCache):
             out.append(c.row(row, length, reserve=padded))
             continue
-        one = KVCache()
+        one = empty_like(c)
         one.keys = mx.contiguous(c.keys[row : row + 1, :, :length, :])
         one.values = mx.contiguous(c.values[row : row + 1, :, :length, :])
         one.offset = length
@@ -377,13 +376,9 @@ def _start_rows(engine: Engine, prompts: list[list[int]], prefix: tuple[list, in
     tails = [t[cached:] for t in prompts]
     rows, length = pass_shape(len(tails), max(len(t) for t in tails), _pad_step(engine))
     group = group_cache(cache, cached, rows, length)
-    if engine.short_attention:
-        mark_cache(group)
     logits = prefill_rows(engine.model, group, tails, length, rows)
     taken = []
     for r, (i, tokens) in enumerate(zip(index, prompts)):
         taken.append(cache_row(group, r, len(tokens), length))
-        if engine.short_attention:
-            mark_cache(taken[-1])
         out[i] = (taken[-1], cached, logits[r : r + 1])
     mx.eval([c.state for row in taken for c in row])  # one wait for every row's copy

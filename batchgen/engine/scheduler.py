@@ -7,8 +7,9 @@ log-probabilities into one array per row, so the per-step cost grows with
 churn. On an H200 it ran 918 tok/s at batch 8 against 249 tok/s for one
 stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
 
-- the KV cache is mlx-lm's `BatchKVCache` (every model's attention already
-  understands its per-row offsets and left padding); a step is one compiled
+- the KV cache is mlx-lm's `BatchKVCache` (`Fp16BatchCache`: every model's
+  attention already understands its per-row offsets and left padding), or
+  TurboQuant's codes in the same layout; a step is one compiled
   function over its whole buffers plus a small recent window
   (`compiled_step`: the step is bound by the host, and a recording needs
   fixed shapes), stepping the model uncompiled where that cannot run; on
@@ -48,10 +49,11 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
-from ..kernels.attention import mark_cache
-from ..step.compiled import CompiledSteps, buffers, held_positions, step_layer
+from ..cache.fp16 import Fp16BatchCache
+from ..kernels.registry import available as cuda_available
+from ..step.compiled import CompiledSteps, held_positions
 from ..config import JobPlan
 from ..decode.text import TextAssembler, error_result, failed_result, finished_result, pick_first
 from ..decode.passes import generation_stream
@@ -61,7 +63,6 @@ from ..decode.sampling import job_seed, make_keys, pick
 from ..stats import JobStats, Result, Timer
 from ..cache.turboquant import TurboQuantKVCache
 from ..cache.turboquant_rows import Layout, TurboQuantBatchLayer
-from ..kernels.turboquant import available as cuda_available
 
 if TYPE_CHECKING:  # the engine hands itself in; imports run down, from it to here
     from .core import Engine
@@ -125,14 +126,14 @@ def kv_bytes_per_token(cache: list) -> tuple[int, int]:
 
 def _map_buffers(c, fn, names: tuple[str, ...] = ()) -> None:
     """Replace each of a batch layer's column buffers (and `names`), a, with fn(a)."""
-    for name in buffers(c) + names:
+    for name in c.BUFFERS + names:
         a = getattr(c, name)
         if a is not None:
             setattr(c, name, fn(a))
 
 
 def _empty(c) -> bool:
-    return getattr(c, buffers(c)[0]) is None
+    return getattr(c, c.BUFFERS[0]) is None
 
 
 @dataclass
@@ -182,13 +183,13 @@ class BatchScheduler:
         self.kv = engine.config.kv
         self.turbo = self.kv.kind == "turboquant"
         self.per_token, self.per_row = engine.kv_bytes_per_token(self.kv)  # KV bytes per token, and per row
-        layers = len(engine.make_cache(self.kv))  # (TurboQuant: its attention hook installed)
+        layers = len(engine.make_cache(self.kv))  # (the model's attention routed to the caches)
         self.rows: list[Row | None] = [None] * batch_size
-        layer = (lambda: TurboQuantBatchLayer(batch_size)) if self.turbo else (lambda: BatchKVCache([0] * batch_size))
-        self.cache = [layer() for _ in range(layers)]
+        if self.turbo:
+            self.cache = [TurboQuantBatchLayer(batch_size) for _ in range(layers)]
+        else:  # `kernels`: one-query steps through the `batch_decode` kernel, short passes as plain ops
+            self.cache = [Fp16BatchCache([0] * batch_size, kernels=engine.short_attention) for _ in range(layers)]
         self.pads = [0] * batch_size  # each row's left padding, as the caches hold it
-        if engine.short_attention and not self.turbo:  # one-query steps through `batch_decode_attention`
-            mark_cache(self.cache)
         self.step = 0
         self.exhausted = False  # the job stream has ended
         self._gather: mx.array | None = None  # row order change for the next step's inputs
@@ -198,7 +199,7 @@ class BatchScheduler:
         self.logged_overrides = False
         self.ahead: list = []  # jobs read ahead of admission, in prefix order
         # Steps through `compiled_step` (the caches' `offset` arrays then go
-        # unused: the step derives each row's from `_idx` and its padding).
+        # unused: the step derives each row's from the write position and its padding).
         self.compiled = engine.config.compiled_batch_step
         kernel = engine.short_attention and cuda_available()
         self.stepper = CompiledSteps(self.model, kernel, engine.batch_steps, engine.config.batch_step_forward)
@@ -291,9 +292,9 @@ class BatchScheduler:
         """Write the job's prompt KV into batch row `index`, ending at the
         batch's write position (all rows write there next)."""
         n = len(row.tokens) - (row.pending_input is not None)  # the cache lacks a token still to feed
-        if n > self.cache[0]._idx:
-            self._grow_left(n - self.cache[0]._idx)
-        idx = self.cache[0]._idx
+        if n > self.cache[0].write_position:
+            self._grow_left(n - self.cache[0].write_position)
+        idx = self.cache[0].write_position
         for bc, jc in zip(self.cache, row.job_cache):
             if self.turbo:
                 bc.place(index, jc, n, self.B)
@@ -316,8 +317,8 @@ class BatchScheduler:
     def _grow_left(self, need: int) -> None:
         grow = -(-need // _GROW_STEP) * _GROW_STEP
         for bc in self.cache:
-            _map_buffers(bc, lambda a: mx.pad(a[:, :, : bc._idx], [(0, 0), (0, 0), (grow, 0)] + [(0, 0)] * (a.ndim - 3)))
-            bc._idx += grow
+            _map_buffers(bc, lambda a: mx.pad(a[:, :, : bc.write_position], [(0, 0), (0, 0), (grow, 0)] + [(0, 0)] * (a.ndim - 3)))
+            bc.write_position += grow
             bc.left_padding = bc.left_padding + grow
         self.pads = [p + grow for p in self.pads]
 
@@ -331,8 +332,8 @@ class BatchScheduler:
             return
         self.stepper.flush(self.cache)  # the cut keeps positions up to the write position only
         for bc in self.cache:
-            _map_buffers(bc, lambda a: a[:, :, cut : bc._idx])
-            bc._idx -= cut
+            _map_buffers(bc, lambda a: a[:, :, cut : bc.write_position])
+            bc.write_position -= cut
             bc.left_padding = mx.maximum(bc.left_padding - cut, 0)
         self.pads = [max(p - cut, 0) for p in self.pads]
 
@@ -344,7 +345,7 @@ class BatchScheduler:
         self.freed.clear()  # the freed rows go
         index = mx.array(keep)
         for bc in self.cache:
-            _map_buffers(bc, lambda a: a[index], step_layer(bc).ROWS)
+            _map_buffers(bc, lambda a: a[index], bc.ROWS)
             bc.offset, bc.left_padding = bc.offset[index], bc.left_padding[index]
         self.stepper.select(index)
         self.pads = [self.pads[i] for i in keep]
@@ -364,7 +365,7 @@ class BatchScheduler:
         self.freed.clear()
         if not freed or _empty(self.cache[0]):
             return
-        idx = self.cache[0]._idx
+        idx = self.cache[0].write_position
         mask = mx.array([i in freed for i in range(self.B)])
         for bc in self.cache:
             bc.left_padding = mx.where(mask, idx, bc.left_padding)
@@ -403,7 +404,7 @@ class BatchScheduler:
                 self.compiled = False
                 self.stepper.flush(self.cache)
                 for c in self.cache:  # the offsets the uncompiled step reads
-                    c.offset = c._idx - c.left_padding
+                    c.offset = c.write_position - c.left_padding
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         return mx.argmax(logits, axis=-1), logits
 

@@ -2,8 +2,7 @@
 
 A one-token step of a small model is bound by the host, not the chip: building
 the step's graph in Python and launching its few hundred kernels cost more than
-the kernels take (0.5B shape on an H200: ~1.5-2.5 ms of graph building alone in
-a 5-9 ms step, bench/batch_step.py). `mx.compile` records the step once and
+the kernels take (bench/RESULTS.md#compiled-batch-step). `mx.compile` records the step once and
 replays it, fusing the elementwise ops between matmuls, but a recording holds
 for fixed input shapes only, and a growing KV cache changes shape every step.
 
@@ -13,18 +12,23 @@ array: every step has the same shapes until the capacity grows.
 
 Where the step's keys and values go: writing them into the big buffers inside
 the step copied each whole buffer every step (MLX cannot update a buffer in
-place while earlier steps still hold it: a 7B-shape step at 32 rows took 11.8
-ms over 768 positions and 28.2 ms over 4,096, against 8.7 / 10.5 ms for
-mlx-lm's cache; H200, bench/batch_step.py --capacities). The step instead
+place while earlier steps still hold it, and the step's time grew with the
+capacity: bench/RESULTS.md#compiled-batch-step). The step instead
 writes into a small recent window of `WINDOW` positions per row; the window
 is flushed into the big buffers once it is full (or before rows enter), one
 copy per `WINDOW` steps. Row b's tokens are at positions left_padding[b] ..
 base - 1 of the big buffers, then base .. base + used - 1 in the window; the
 step's own token goes to position base + used (window slot `used`).
 
-On CUDA one kernel (`attention.batch_step_attention`) reads both parts and the
-new token and writes the window; elsewhere the window is updated with
+On CUDA one kernel (the `batch_step` op, kernels/attention.py) reads both parts
+and the new token and writes the window; elsewhere the window is updated with
 `mx.slice_update` and attention runs over both parts with a mask.
+
+The batch layers (cache/fp16.py's `Fp16BatchCache`, cache/turboquant_rows.py's
+`TurboQuantBatchLayer`) share what the step and the scheduler ask of them: big
+buffers (`BUFFERS`, indexed by column on axis 2), per-row arrays (`ROWS`), the
+write position, `left_padding`, `step_kind`, `step_arrays()`, `window_like()` and
+`write_window()`.
 """
 
 from __future__ import annotations
@@ -32,10 +36,8 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
-
 from ..cache.turboquant_rows import TurboQuantStepCache
-from ..kernels.attention import fused_step_attention, kernel_takes
+from ..kernels.attention import BATCH_FUSED_STEP, BATCH_STEP, kernel_takes
 from .forward import make_step_forward
 
 CAPACITY_STEP = 256  # positions: the big buffers grow (and the step is recorded anew) in these
@@ -65,10 +67,8 @@ class StepCache:
     """One layer's batch cache inside the step: big buffers `keys`/`values`
     (B, heads, capacity, D), the recent window `rkeys`/`rvalues` (B, heads,
     WINDOW, D), `meta` int32 [base, used, capacity, WINDOW] and each row's
-    left padding (B,). `kernel`: the attention hook takes the step's token
-    (`new`) and updates the window itself (CUDA)."""
-
-    steps_new_token = True  # the attention hook's mark: `new` set, the kernel attends
+    left padding (B,). `kernel`: `attention` takes the step's token (`new`) and
+    updates the window itself (CUDA)."""
 
     def __init__(self, keys, values, rkeys, rvalues, meta: mx.array, left_padding: mx.array, kernel: bool):
         self.keys, self.values, self.rkeys, self.rvalues = keys, values, rkeys, rvalues
@@ -93,13 +93,28 @@ class StepCache:
 
     def takes_kernel(self, *new) -> bool:
         """Whether the step kernel serves this layer, fed `new` (the step's keys
-        and values, or the projection they come from): the hook on (CUDA) and
+        and values, or the projection they come from): `kernel` on (CUDA) and
         `kernel_takes` over them and the buffers."""
-        return self.kernel and kernel_takes(*new, self.keys, self.values, self.rkeys, self.rvalues)
+        return self.kernel and BATCH_STEP.enabled() and kernel_takes(*new, self.keys, self.values, self.rkeys,
+                                                                     self.rvalues)  # fmt: skip
+
+    def attention(self, queries, keys, values, *, scale: float, mask=None, sinks=None):
+        """The step kernel where `update_and_fetch` handed it the token; else the
+        stock attention over what that returned, with `make_mask`."""
+        if self.new is None or sinks is not None:
+            return NotImplemented
+        (k_new, v_new), self.new = self.new, None
+        out, self.rkeys, self.rvalues = BATCH_STEP.kernel_form(queries, k_new, v_new, self.keys, self.values,
+                                                               self.rkeys, self.rvalues, self.left_padding,
+                                                               self.meta, scale)  # fmt: skip
+        return out
 
     def fused_attention(self, roped: mx.array, heads: mx.array, scale: float) -> mx.array:
         """`step_forward`'s attention through the step kernel (`takes_kernel`): (B, Hq * D)."""
-        return fused_step_attention(roped, heads, self, scale)
+        out, self.rkeys, self.rvalues = BATCH_FUSED_STEP.kernel_form(roped, heads, self.keys, self.values, self.rkeys,
+                                                                     self.rvalues, self.left_padding, self.meta,
+                                                                     scale)  # fmt: skip
+        return out
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(B, 1, 1, capacity + WINDOW): the big buffers' columns, then the window's."""
@@ -124,46 +139,6 @@ class StepCache:
         return sum(a.nbytes for a in self.state)
 
 
-class Fp16Layer:
-    """The step's view of mlx-lm's `BatchKVCache`: the members a TurboQuant batch
-    layer (`turboquant_batch.TurboQuantBatchLayer`) has itself, so that the step and
-    the scheduler ask the same of either (`step_layer`)."""
-
-    step_kind = "fp16"  # what the step records per layer (TurboQuant's: ("turboquant", layout))
-    BUFFERS = ("keys", "values")  # arrays indexed by column on axis 2
-    ROWS = ()  # arrays indexed by row only
-    layout = None  # TurboQuant's layout (its window sets the step's)
-
-    def __init__(self, cache: BatchKVCache):
-        self.cache = cache
-
-    def step_arrays(self) -> tuple:
-        return self.cache.keys, self.cache.values
-
-    def window_like(self) -> tuple:
-        """(rows, heads, key dim, value dim, dtype) of the layer's window."""
-        k, v = self.cache.keys, self.cache.values
-        return (*k.shape[:2], k.shape[3], v.shape[3], k.dtype)
-
-    def write_window(self, rkeys: mx.array, rvalues: mx.array, n: int) -> None:
-        """The window's first n positions into the buffers at the write position."""
-        c = self.cache
-        c.keys[..., c._idx : c._idx + n, :] = rkeys[..., :n, :]
-        c.values[..., c._idx : c._idx + n, :] = rvalues[..., :n, :]
-        c._idx += n
-
-
-def step_layer(c):
-    """A batch layer as the step and the scheduler take it: mlx-lm's
-    `BatchKVCache` through `Fp16Layer`, TurboQuant's batch layer as it is."""
-    return Fp16Layer(c) if isinstance(c, BatchKVCache) else c
-
-
-def buffers(c) -> tuple[str, ...]:
-    """Names of a batch layer's arrays indexed by column on axis 2."""
-    return step_layer(c).BUFFERS
-
-
 def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, shared: dict):
     if kind == "fp16":
         return StepCache(*arrays, rkeys, rvalues, meta, left_padding, kernel)
@@ -172,12 +147,12 @@ def _step_cache(kind, arrays, rkeys, rvalues, meta, left_padding, kernel: bool, 
 
 def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True, kinds: tuple | None = None,
               compiled: bool = True) -> Callable:  # fmt: skip
-    """The compiled step: (inputs (B,), layers [each layer's `step_arrays()`
-    (`step_layer`)], rkeys, rvalues [one per layer], meta, left_padding) ->
+    """The compiled step: (inputs (B,), layers [each layer's `step_arrays()`],
+    rkeys, rvalues [one per layer], meta, left_padding) ->
     (greedy tokens (B,), logits (B, vocab) or None, new rkeys, new rvalues).
     `sample_rows`: also return the logits (some rows sample); greedy-only
     batches read back B tokens and nothing more. `kernel`: attention through
-    `attention`'s step kernels (CUDA, the hook installed). `own_forward`:
+    the step kernels (CUDA). `own_forward`:
     through `step_forward` where it covers the model (a third of the
     primitives), else the model's own layers. `kinds`: each layer's
     `step_kind` (None: fp16). `compiled`: False runs the same step unrecorded."""
@@ -207,16 +182,16 @@ def make_step(model, sample_rows: bool, kernel: bool, own_forward: bool = True, 
 
 
 def fit_capacity(cache: list, at_least: int = 0) -> None:
-    """Give the batch layers (mlx-lm `BatchKVCache`, or TurboQuant's) big
+    """Give the batch layers (`Fp16BatchCache`, or TurboQuant's) big
     buffers of `capacity_for` their write position plus a full window, or
     `at_least` (the step's shapes change only when this does; cutting spare
-    positions is safe, none beyond `_idx` are used)."""
-    first = getattr(cache[0], buffers(cache[0])[0])
-    want, have = max(capacity_for(cache[0]._idx + WINDOW), at_least), first.shape[2]
+    positions is safe, none beyond the write position are used)."""
+    first = getattr(cache[0], cache[0].BUFFERS[0])
+    want, have = max(capacity_for(cache[0].write_position + WINDOW), at_least), first.shape[2]
     if have == want:
         return
     for c in cache:
-        for name in buffers(c):
+        for name in c.BUFFERS:
             a = getattr(c, name)
             if have > want:
                 a = a[:, :, :want]
@@ -226,8 +201,8 @@ def fit_capacity(cache: list, at_least: int = 0) -> None:
 
 
 class CompiledSteps:
-    """Steps a batch held in batch layers (mlx-lm `BatchKVCache`, or
-    TurboQuant's: big buffers, write position `_idx`, `left_padding`) through
+    """Steps a batch held in batch layers (`Fp16BatchCache`, or
+    TurboQuant's: big buffers, `write_position`, `left_padding`) through
     the compiled step, keeping the recent window between steps. `recorded`:
     where the compiled steps are kept (a dict that outlives this object:
     recording costs). `own_forward`: see `make_step`. `compiled`: False steps
@@ -245,7 +220,7 @@ class CompiledSteps:
     def window_size(cache: list) -> int:
         """Slots of the window: `WINDOW`, or a TurboQuant layer's exact window
         (flushed before any slot would be read from its codes)."""
-        layout = step_layer(cache[0]).layout
+        layout = cache[0].layout
         return WINDOW if layout is None else layout.window
 
     def __call__(self, cache: list, inputs: mx.array, sample: bool,
@@ -258,15 +233,14 @@ class CompiledSteps:
             self.flush(cache)
         fit_capacity(cache, self.min_capacity)
         self._ready(cache, window)
-        views = [step_layer(c) for c in cache]
-        kinds = tuple(v.step_kind for v in views)
+        kinds = tuple(c.step_kind for c in cache)
         key = (sample, self.kernel, self.own_forward, kinds, self.compiled)
         if key not in self.recorded:
             self.recorded[key] = make_step(self.model, sample_rows=sample, kernel=self.kernel,
                                            own_forward=self.own_forward, kinds=kinds, compiled=self.compiled)  # fmt: skip
         c0 = cache[0]
-        meta = mx.array([c0._idx, self.used, getattr(c0, views[0].BUFFERS[0]).shape[2], window], mx.int32)
-        layers = [v.step_arrays() for v in views]
+        meta = mx.array([c0.write_position, self.used, getattr(c0, c0.BUFFERS[0]).shape[2], window], mx.int32)
+        layers = [c.step_arrays() for c in cache]
         tokens, logits, rkeys, rvalues = self.recorded[key](inputs, layers, self.keys, self.values, meta,
                                                              c0.left_padding)  # fmt: skip
         if check:
@@ -277,10 +251,10 @@ class CompiledSteps:
 
     def _ready(self, cache: list, window: int) -> None:
         """Window buffers of the cache's rows, heads and dtype (new ones where those changed)."""
-        B, H, dk, _, dtype = step_layer(cache[0]).window_like()
+        B, H, dk, _, dtype = cache[0].window_like()
         shape = (B, H, window)
         if self.keys is None or self.keys[0].shape[:3] != shape or self.keys[0].dtype != dtype:
-            likes = [step_layer(c).window_like() for c in cache]
+            likes = [c.window_like() for c in cache]
             self.keys = [mx.zeros(shape + (like[2],), like[4]) for like in likes]
             self.values = [mx.zeros(shape + (like[3],), like[4]) for like in likes]
 
@@ -292,7 +266,7 @@ class CompiledSteps:
             return
         fit_capacity(cache, self.min_capacity)
         for c, rk, rv in zip(cache, self.keys, self.values):
-            step_layer(c).write_window(rk, rv, n)
+            c.write_window(rk, rv, n)
         self.used = 0
 
     def select(self, rows: mx.array) -> None:

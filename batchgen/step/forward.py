@@ -18,8 +18,8 @@ token per row none of that is needed:
   v's rotation is computed and never read, which costs less than slicing q and
   k out (a strided slice is copied before a kernel reads it);
 - attention (CUDA) reads q and the new k from that, the new v from the
-  unrotated projection (`attention.fused_step_attention`, or TurboQuant's
-  `turboquant_batch.STEP_SOURCE`).
+  unrotated projection (the `batch_fused_step` kernel op, or TurboQuant rows'
+  `tq_rows_fused_step`).
 
 14 primitives a layer, 11 of them kernels (0.5B shape: 349 a step against 858).
 The ops are the model's own, in its order, on the same weights: on the CPU the
@@ -124,7 +124,7 @@ def _head_dim(attn) -> int:
 class StepForward:
     """forward(inputs (B,), caches) -> logits (B, vocab): the model's one-token
     pass over `compiled_step.StepCache` layers. `kernel` (CUDA): attention
-    through `attention.fused_step_attention`, projections through
+    through the fused step kernel op, projections through
     `projection` where it takes them."""
 
     def __init__(self, model):
@@ -159,9 +159,10 @@ class StepForward:
                 out = cache.fused_attention(roped, heads, self.scale)  # (B, Hq * D)
             else:
                 keys, values = cache.update_and_fetch(roped[:, hq : hq + hkv], heads[:, hq + hkv :])
-                if hasattr(cache, "attention"):  # TurboQuant's batch layer attends from its codes
-                    out = cache.attention(roped[:, :hq], self.scale)
-                else:
+                # The cache answers for itself (transforms/attention.py's protocol): TurboQuant
+                # rows from their codes, a step kernel; else the stock attention with the mask.
+                out = cache.attention(roped[:, :hq], keys, values, scale=self.scale, mask=None)
+                if out is NotImplemented:
                     mask = caches[0].make_mask(1) if mask is None else mask
                     out = mx.fast.scaled_dot_product_attention(roped[:, :hq], keys, values, scale=self.scale,
                                                                mask=mask)  # fmt: skip

@@ -1,0 +1,206 @@
+"""TurboQuant's cache on CUDA: one-token decode steps as one kernel each.
+
+On the ops path a decode step is dozens of small ops per layer, and a GPU step of a
+small model is bound by their count, not by bytes (bench/RESULTS.md#turboquant-step-kernel).
+Here `update_and_fetch` of one token only hands the token over; `attention` runs the
+`tq_step` kernel op (kernels/turboquant.py), which encodes it into the next slot of a
+small window and attends over sinks + codes + window by the reading rule. The window's
+arrays: wx the slots' exact keys and values, wc their key and value codes, wq their
+scales (slots on axis 2); slot 0 holds position `_win_r0`, `_win_n` slots are in use,
+codes below position `_win_cb` are in the big buffers, above it in the window. Every
+`STEP_BLOCK` steps the window's codes go into the big buffers (a few ops). Anything
+else (a multi-token update, a trim, the state, a mask) first settles the cache back into
+the ordinary layout (`_settle`), so the base class never sees a window.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+import mlx.core as mx
+
+from ..kernels.registry import constant
+from ..kernels.turboquant import STEP, step_books, step_chunks, step_meta, step_supported
+from ..turboquant.codec import codebook_arrays, packed_words, rotation
+from .turboquant import TurboQuantKVCache, detach, forget_prefill_mask
+
+
+class TurboQuantStepKVCache(TurboQuantKVCache):
+    """`TurboQuantKVCache` whose one-token decode steps run as one kernel (module
+    docstring); the same stored layout between steps and the same reading rule."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reset_transient()
+
+    def _reset_transient(self) -> None:
+        self._step_new = None  # the token handed over by update_and_fetch
+        self._win = None
+        self._win_r0 = self._win_n = self._win_cb = 0
+
+    def _extra_arrays(self) -> tuple:
+        return self._win or ()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._step_new is not None:
+            # The last token was never read by `attention`: this model's attention
+            # does not go through the dispatch; store it the ordinary way.
+            self.routed = False
+            self._absorb_step()
+        self._arrive(keys, values)
+        if keys.shape[2] == 1 and self._steps():
+            # Step mode: `attention` stores the token (one kernel); nothing here.
+            self._step_new = (keys, values)
+            self.offset += 1
+            return keys, values
+        self._leave_step()
+        return self._update(keys, values)
+
+    def attention(self, queries, keys=None, values=None, *, scale: float, mask=None, sinks=None):
+        if self._step_new is not None:
+            if sinks is None and self._step_fits(queries, mask):
+                forget_prefill_mask()
+                return self._step_attention(queries, scale)
+            self._absorb_step()
+        return super().attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+    STEP_BLOCK = 32
+
+    def _steps(self) -> bool:
+        """Whether a one-token update takes step mode."""
+        return (
+            self.routed
+            and self.window >= 1
+            and self.offset >= self.sink_tokens
+            and self.key_dim == self.value_dim
+            and STEP.enabled()
+            and step_supported(self.key_dim, 1, self.key_bits, self.value_bits)
+        )
+
+    def _step_fits(self, queries: mx.array, mask) -> bool:
+        _, n_heads, L, dim = queries.shape
+        kv_heads = self._step_new[0].shape[1]
+        return (
+            L == 1
+            and not isinstance(mask, mx.array)
+            and n_heads % kv_heads == 0
+            and step_supported(dim, n_heads // kv_heads, self.key_bits, self.value_bits)
+        )
+
+    def _absorb_step(self):
+        """The token handed to step mode goes the ordinary way instead."""
+        if self._step_new is None:
+            return
+        keys, values = self._step_new
+        self._step_new = None
+        self.offset -= 1
+        self._leave_step()
+        self._chunk = None
+        self._update(keys, values)
+
+    def _settle(self):
+        """Back to the ordinary layout: every token coded in the big buffers, the
+        recent exact copies in recent_keys / recent_values."""
+        self._absorb_step()
+        self._leave_step()
+
+    def _enter_step(self, B: int, H: int, dtype):
+        p = self.offset - 1  # the handed-over token's position
+        n, slots, dim = self._n_recent, self._recent_capacity + self.STEP_BLOCK, self.key_dim
+
+        exact = mx.zeros((B, H, slots, 2, dim), dtype)
+        if n:
+            recent = mx.stack([self.recent_keys[:, :, -n:], self.recent_values[:, :, -n:]], axis=3)
+            exact = mx.concatenate([recent.astype(dtype), exact[:, :, n:]], axis=2)
+        words = packed_words(dim, self.key_bits) + packed_words(dim, self.value_bits)
+        self._win = (exact, mx.zeros((B, H, slots, words), mx.uint32), mx.zeros((B, H, slots, 2), mx.float16))
+        self._win_r0, self._win_n, self._win_cb = p - n, n, p
+        self.recent_keys = self.recent_values = None
+        if self.key_codes is None:
+            self._grow(B, H, 0, 1)
+        # The kernel indexes these as dense arrays (a loaded or cloned state may hold
+        # views); flushes and sink appends keep them dense from here on.
+        for name in ("key_codes", "key_norms", "value_codes", "value_norms", "sink_keys", "sink_values"):
+            if getattr(self, name) is not None:
+                setattr(self, name, mx.contiguous(getattr(self, name)))
+
+    def _flush_window(self):
+        """The window's codes for positions cb .. r0 + n - 1 into the big buffers."""
+        _, wc, wq = self._win
+        r0, n, cb = self._win_r0, self._win_n, self._win_cb
+        lo = cb - r0
+        if n > lo:
+            t0 = cb - self.sink_tokens
+            t1 = t0 + n - lo
+            kw = self.key_codes.shape[-1]
+            self._grow(wc.shape[0], wc.shape[1], t0, t1)
+            self.key_codes[:, :, t0:t1] = wc[:, :, lo:n, :kw]
+            self.value_codes[:, :, t0:t1] = wc[:, :, lo:n, kw:]
+            self.key_norms[:, :, t0:t1] = wq[:, :, lo:n, 0]
+            self.value_norms[:, :, t0:t1] = wq[:, :, lo:n, 1]
+        self._win_cb = r0 + n
+
+    def _kept_slots(self) -> Optional[mx.array]:
+        """The window's exact keys and values worth keeping (the last
+        `_recent_capacity` slots in use), (B, H, n, 2, D); None if none."""
+        n = self._win_n
+        keep = min(n, self._recent_capacity)
+        return self._win[0][:, :, n - keep : n] if keep else None
+
+    def _shift_window(self):
+        """Room for the next token: flush, then move the kept slots to the front."""
+        self._flush_window()
+        wx, *coded = self._win
+        kept = self._kept_slots()
+        keep = 0 if kept is None else kept.shape[2]
+        fresh = mx.zeros((*wx.shape[:2], wx.shape[2] - keep, *wx.shape[3:]), wx.dtype)
+        self._win = (fresh if kept is None else mx.concatenate([kept, fresh], axis=2), *coded)
+        self._win_r0 += self._win_n - keep
+        self._win_n = keep
+
+    def _leave_step(self):
+        if self._win is None:
+            return
+        self._flush_window()
+        kept = self._kept_slots()
+        self.recent_keys = None if kept is None else detach(kept[..., 0, :])
+        self.recent_values = None if kept is None else detach(kept[..., 1, :])
+        self._win = None
+
+    def _step_attention(self, queries: mx.array, scale: float) -> mx.array:
+        keys, values = self._step_new
+        self._step_new = None
+        B, H = keys.shape[:2]
+        if self._win is None:
+            self._enter_step(B, H, keys.dtype)
+        p = self.offset - 1
+        if p - self._win_r0 >= self._win[0].shape[2]:
+            self._shift_window()
+        r0, S = self._win_r0, self.sink_tokens
+        chunks, span = step_chunks(p + 1, B * H, self.key_dim)
+        if S:
+            sinks = (self.sink_keys, self.sink_values)
+        else:
+            sinks = (constant(("nosink", B, H, self.key_dim, keys.dtype),
+                                    lambda: mx.zeros((B, H, 1, self.key_dim), keys.dtype)),) * 2  # fmt: skip
+        e0 = max(S, p - self.window + 1, r0)
+        fields = (p, S, self.key_codes.shape[2], self._win_cb, r0, chunks, e0, self._win[0].shape[2],
+                  sinks[0].shape[2], span)  # fmt: skip
+        meta = step_meta(fields)
+        coded = (self.key_codes, self.key_norms, self.value_codes, self.value_norms)
+        books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits, scale)
+        out, self._win = STEP.kernel_form(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,
+                                       (self.key_bits, self.value_bits))  # fmt: skip
+        self._win_n = p - r0 + 1
+        return out
+
+
+
+
+@lru_cache(maxsize=None)
+def _step_books(dim: int, seed: int, key_bits: int, value_bits: int, scale: float) -> mx.array:
+    """`kernels.turboquant.step_books` of a layer (keys and values share its rotation)."""
+    books = step_books(rotation(dim, seed).signs, *codebook_arrays(key_bits), *codebook_arrays(value_bits), scale)
+    mx.eval(books)
+    return books

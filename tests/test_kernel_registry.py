@@ -1,0 +1,199 @@
+"""One parity test over the kernel registry (batchgen/kernels/registry.py), every op alike.
+
+For each op and each of its examples:
+- its source file loads (helpers, then one body line, includes expanded) and names every
+  input and output the op declares;
+- CPU: the launch, with a stand-in for MLX's kernel that only records the call, asks for
+  outputs of the shapes and dtypes the reference returns; the reference runs;
+- nvcc (where installed; no GPU needed): the body compiles for the H200 (sm_90) inside the
+  signature MLX builds around it, at the example's template constants and dtypes;
+- CUDA: the kernel's outputs equal the reference's within the op's tolerance.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import batchgen.kernels.attention  # noqa: F401  (registers its ops)
+import batchgen.kernels.projection  # noqa: F401
+import batchgen.kernels.turboquant  # noqa: F401
+from batchgen.kernels import registry
+from batchgen.turboquant.codec import unpack_codes
+
+CASES = [(name, i) for name, op in registry.OPS.items() for i in range(len(op.examples()))]
+
+
+def flat(outputs) -> list:
+    """An op's outputs (an array, or tuples of arrays) as a flat list."""
+    if isinstance(outputs, mx.array):
+        return [outputs]
+    return [a for x in outputs for a in flat(x)]
+
+
+class Recorded(Exception):
+    pass
+
+
+def record_launch(monkeypatch, op, args, kwargs) -> dict:
+    """What `op.launch(*args)` hands MLX's kernel (template, inputs, output shapes),
+    through a stand-in that returns zeros of the asked shapes."""
+    seen = {}
+
+    def fake_kernel(*_):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
+            seen.update(inputs=inputs, template=template, output_shapes=output_shapes, output_dtypes=output_dtypes)
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    monkeypatch.setattr(registry, "_cuda_kernel", fake_kernel)
+    seen["outputs"] = op.launch(*args, **kwargs)
+    return seen
+
+
+def test_every_op_has_a_source_a_reference_and_examples():
+    assert set(registry.OPS) == {"tq_scores", "tq_values", "tq_encode", "tq_step", "batch_decode", "batch_step",
+                                 "batch_fused_step", "tq_rows_step", "tq_rows_fused_step", "few_row_projection"}
+    for name, op in registry.OPS.items():
+        header, body = registry.load_source(op.source)
+        assert "tq_bits" in header and "ld8" in header, name  # the shared helpers, once
+        assert header.count("__device__ __forceinline__ unsigned int tq_bits(") == 1, name
+        assert "#include" not in body and registry.BODY_MARK not in body, name
+        for arg in op.inputs + op.outputs:  # by name, or pasted by the SEL macro (s##which: sk, sv)
+            assert arg in body or f"{arg[0]}##which" in body, (name, arg)
+        assert op.examples() and callable(op.reference), name
+
+
+def test_a_source_needs_exactly_one_body_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "CUDA_DIR", tmp_path)
+    (tmp_path / "none.cu").write_text("// helpers only\n")
+    (tmp_path / "two.cu").write_text(f"{registry.BODY_MARK}\nx;\n{registry.BODY_MARK}\n")
+    (tmp_path / "ok.cu").write_text(f'#include "h.cuh"\n#include "h.cuh"\n{registry.BODY_MARK}\n#include "b.cuh"\n')
+    (tmp_path / "h.cuh").write_text("int helper;")
+    (tmp_path / "b.cuh").write_text("  body();")
+    for name in ("none.cu", "two.cu"):
+        with pytest.raises(ValueError, match="one"):
+            registry.load_source(name)
+    assert registry.load_source("ok.cu") == ("int helper;\n", "  body();\n")  # each file once
+
+
+def test_using_pins_and_restores_a_form():
+    op = registry.OPS["tq_scores"]
+    args, kw = op.examples()[0]
+    with registry.using("reference", "tq_scores"):
+        assert not op.takes(*args, **kw)
+    with registry.using("kernel"):
+        assert op.takes(*args, **kw) and op.mode == "kernel"
+    assert op.mode == "auto"
+    with pytest.raises(ValueError, match="mode"):
+        with registry.using("fast"):
+            pass
+
+
+@pytest.mark.parametrize("name,i", CASES)
+def test_launch_asks_for_what_the_reference_returns(monkeypatch, name, i):
+    op = registry.OPS[name]
+    args, kwargs = op.examples()[i]
+    seen = record_launch(monkeypatch, op, args, kwargs)
+    want = flat(op.reference(*args, **kwargs))
+    mx.eval(want)
+    got = flat(seen["outputs"])
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+    assert len(seen["inputs"]) == len(op.inputs) and len(seen["output_shapes"]) == len(op.outputs)
+
+
+nvcc = shutil.which("nvcc")
+
+# What MLX's device header provides to a kernel body, as far as these kernels use it.
+STANDIN = """
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+using Strides = cuda::std::array<int64_t, 10>;
+using Shape = cuda::std::array<int32_t, 10>;
+"""
+CUDA_TYPES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.uint32: "uint32_t",
+              mx.int32: "int32_t"}  # fmt: skip
+
+
+def kernel_function(name: str, body: str, inputs: list, outputs: list, template: list) -> str:
+    """The kernel as MLX builds it around a body: a signature from the names and dtypes
+    (`_shape` / `_strides` parameters where the body uses them), template constants as
+    constexpr; the body's macros undefined after it (several kernels share a file)."""
+    params = []
+    for arg, dtype in inputs:
+        params.append(f"const {CUDA_TYPES[dtype]}* {arg}")
+        if f"{arg}_shape" in body:
+            params.append(f"const __grid_constant__ Shape {arg}_shape")
+        if f"{arg}_strides" in body:
+            params.append(f"const __grid_constant__ Strides {arg}_strides")
+    params += [f"{CUDA_TYPES[dtype]}* {arg}" for arg, dtype in outputs]
+    constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    macros = re.findall(r"^\s*#define (\w+)", body, flags=re.M)
+    return (f"__global__ void custom_kernel_{name}(\n  " + ",\n  ".join(params) + f") {{\n{constants}{body}\n}}\n"
+            + "".join(f"#undef {m}\n" for m in macros))  # fmt: skip
+
+
+@pytest.mark.skipif(nvcc is None, reason="needs nvcc")
+@pytest.mark.parametrize("examples", ["first", pytest.param("all", marks=pytest.mark.slow)])
+def test_sources_compile_for_their_examples(tmp_path, monkeypatch, examples):
+    """Every op's body inside MLX's signature, at each example's template constants and
+    dtypes, compiled for the H200 (sm_90) in one nvcc run (the first example of each op
+    in the fast suite)."""
+    header = None
+    kernels = []
+    for name, i in CASES:
+        if examples == "first" and i:
+            continue
+        op = registry.OPS[name]
+        args, kwargs = op.examples()[i]
+        seen = record_launch(monkeypatch, op, args, kwargs)
+        op_header, body = registry.load_source(op.source)
+        code = "\n".join(line for line in op_header.splitlines() if not line.lstrip().startswith("//"))
+        assert header in (None, code), name  # one header of shared helpers for all
+        header = code
+        inputs = [(n, a.dtype) for n, a in zip(op.inputs, seen["inputs"])]
+        kernels.append(kernel_function(f"{name}_{i}", body, inputs, list(zip(op.outputs, seen["output_dtypes"])),
+                                       seen["template"]))  # fmt: skip
+    path = tmp_path / "kernels.cu"
+    path.write_text(f"{STANDIN}{header}\nnamespace mlx::core::cu {{\n" + "\n".join(kernels) + "}\n")
+    run = subprocess.run([nvcc, "-arch=sm_90", "-c", "-o", str(tmp_path / "kernels.o"), str(path)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def close(got: mx.array, want: mx.array, tol: float) -> bool:
+    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    return err <= tol * max(1.0, mx.abs(want.astype(mx.float32)).max().item())
+
+
+def same_codes(got: mx.array, want: mx.array, bits: int, dim: int) -> bool:
+    """Packed codes that agree but where a coordinate sat on a codebook edge (float32
+    sums in another order may move it by one level)."""
+    a, b = (np.array(unpack_codes(x, bits, dim)).astype(int) for x in (got, want))
+    return (a != b).mean() < 1e-3 and np.abs(a - b).max() <= 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,i", CASES)
+def test_kernel_matches_reference(name, i):
+    op = registry.OPS[name]
+    args, kwargs = op.examples()[i]
+    got, want = flat(op.launch(*args, **kwargs)), flat(op.reference(*args, **kwargs))
+    # bf16 outputs and float32 ones through fp16 tensor-core operands round more.
+    tol = max(op.tolerance, 2e-2 if any(a.dtype == mx.bfloat16 for a in want) else 0)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, k)
+        if w.dtype == mx.uint32:  # packed codes (the encoder's, a step's window)
+            bits = args[1] if name == "tq_encode" else None
+            if bits is not None:
+                assert same_codes(g, w, bits, args[0].shape[-1]), (name, k)
+            continue
+        assert close(g, w, tol), (name, k, mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max().item())
