@@ -1,8 +1,8 @@
 """One compiled kernel per source: `attention.launch` keeps a kernel for each
-(name, source, header), so that a benchmark can run another version's source
-under the same name beside the shipped one (bench/attention_baseline.py,
-bench/turboquant_batch_probe.py --baseline), and MLX compiles each source of a
-name anew (measured on MLX 0.32.4; the CUDA test below keeps it so)."""
+(name, source, header), so that two sources under one name (another version of a
+kernel, in one process) never share a compiled kernel, and MLX compiles each
+source of a name anew (measured on MLX 0.32.4, bench/results/2026-11-30-h200-x
+`m3/hazard.log`; the CUDA test below keeps it so)."""
 
 from __future__ import annotations
 
