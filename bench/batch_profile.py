@@ -22,17 +22,20 @@ import cProfile
 import io
 import json
 import pstats
+import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from batchgen.engine import entering
-from batchgen.engine.scheduler import BatchScheduler
-from batchgen.bench import BenchConfig, _repeat_jobs, bench_jobs, load_pair
-from batchgen.step.compiled import CompiledSteps
-from batchgen.config import DEMO_MODEL_DIR, EngineConfig, KVConfig
-from batchgen.engine.core import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the batchgen of the tree this script is in
+
+from batchgen.bench import BenchConfig, _repeat_jobs, bench_jobs, load_pair  # noqa: E402
+from batchgen.config import DEMO_MODEL_DIR, EngineConfig, KVConfig  # noqa: E402
+from batchgen.engine import entering  # noqa: E402
+from batchgen.engine.core import Engine  # noqa: E402
+from batchgen.engine.scheduler import BatchScheduler  # noqa: E402
+from batchgen.step.compiled import CompiledSteps  # noqa: E402
 
 
 _peak = [0]  # the run's peak memory, bytes, across the resets below

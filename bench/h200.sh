@@ -4,11 +4,14 @@
 #   bash bench/h200.sh STAGE [STAGE ...]
 # Stages:
 #   env        versions and the GPU
-#   cuda       the CUDA-only tests (kernels against their references); a failure ends the call
+#   cuda       the tests marked cuda (kernels against their references; CUDA_S seconds, default
+#              300); a failure ends the call
 #   headline   the README's headline figures (bench/RESULTS.md), each row for every side in turn
 #   headline7b the 7B shape's rows of the same (the weights alone take a minute to build)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
-# in turn with this tree in the same call; only ratios within one call are compared.
+# in turn with this tree in the same call (SIDES="old new" for the other order, PLD_ROUNDS=N
+# to repeat the PLD row); only ratios within one call are compared. bench/RESULTS.md
+# ("How to measure") says how to read them.
 # Results land under $OUT/results (logs and JSON), packed as results.tgz.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -47,10 +50,8 @@ stage_env() {
   step env 60 python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info())"
 }
 
-stage_cuda() {
-  step cuda_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention_kernels.py \
-    tests/test_kernel_names.py tests/test_projection.py tests/test_turboquant_kernels.py \
-    tests/test_turboquant_step.py tests/test_turboquant_batch.py
+stage_cuda() {  # every test marked cuda (kernels against their references), wherever it lives
+  step cuda_tests "${CUDA_S:-300}" python3 -m pytest -q -x -p no:cacheprovider -m cuda tests
 }
 
 stage_headline() {  # PLD on the demo model's edits; whole-file throughput, 0.5B shape, auto rows

@@ -5,17 +5,20 @@
         --log-file step.csv python bench/kernel_profile.py step --shape qwen2.5-7b --rows 8
     python bench/kernel_profile.py summary step.csv
 
-`step`: the batched compiled step as the scheduler runs it (fused weights, kernel
-hook, `step_forward`), rows of context/2 .. context tokens. `tq`: one job's
+`step`: the batched compiled step as the scheduler runs it (fused weights, the
+attention hook, `step.forward`), rows of context/2 .. context tokens. `tq`: one job's
 TurboQuant step-mode attention over every layer (update_and_fetch + attention),
 then mx.fast attention over an fp16 cache of the same context for every layer.
 `tqbatch`: the compiled step over TurboQuant rows of `context` tokens.
 
 Only the profiled range (one step, or `--steps`, between cuProfilerStart and
 cuProfilerStop) is measured; before it, the same step's wall time is taken (ms a step,
-no profiler range open) and printed. `summary` sums the CSV's kernel times by family
-(the kernel name up to its first '<' or '('), largest first, in us, leaving out the
-range's first kernel: under ncu it reads hundreds of us however small it is.
+pipelined, no profiler range open) and printed. `summary` sums the CSV's kernel times
+by family (the kernel name up to its first '<' or '('), largest first, in us, leaving
+out the range's first kernel: under ncu it reads hundreds of us however small it is.
+ncu runs kernels one at a time with the host's work between them, so a short kernel
+may read longer than it takes in a pipelined step. Without a CUDA driver the modes
+run unprofiled (a check that the script still runs).
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the batchgen of the tree this script is in
+
+# Attention shapes (Qwen2.5): layers, query heads, kv heads, head dim.
+ATTENTION_SHAPES = {"0.5b": (24, 14, 2, 64), "1.5b": (28, 12, 2, 128), "7b": (28, 28, 4, 128)}
 
 
 def _profiled(fn) -> None:
@@ -47,40 +55,108 @@ def _profiled(fn) -> None:
     cuda.cuProfilerStop()
 
 
-def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
-    import mlx.core as mx
-    from batch_step import _compiled_steps, _filled, step_model
+def _step_model(shape: str):
+    """Random bf16 weights of a real shape, fused, with the attention hook: as the
+    scheduler steps a batch."""
+    from batchgen.bench import random_model
+    from batchgen.kernels.attention import install_short_attention
+    from batchgen.transforms.fusion import fuse_model
 
-    from batchgen.step.compiled import CompiledSteps
+    model, _ = random_model(shape, "bfloat16", None, 0)
+    fuse_model(model)
+    install_short_attention(model)
+    return model
+
+
+def _stepper(model, kernel: bool = True):
+    """A compiled step of `model` (its CUDA kernels where there are), a function of
+    (cache, tokens) -> next tokens."""
     from batchgen.kernels.turboquant import available
+    from batchgen.step.compiled import CompiledSteps
 
-    model, _ = step_model(shape)
-    cache = _filled(model, rows, context, True, True)
-    print(f"{shape} rows={rows} context={context} wall_ms_per_step={_compiled_steps(model, cache, rows, 32):.3f}")
-    stepper = CompiledSteps(model, available(), {}, True)
+    import mlx.core as mx
+
+    steps = CompiledSteps(model, kernel and available(), {}, True)
+    return lambda cache, y: steps(cache, y, sample=False)[0].astype(mx.uint32)
+
+
+def _ms_a_step(step, rows: int, n: int = 32) -> float:
+    """ms a step over n pipelined steps (the next queued before the current is read)."""
+    import mlx.core as mx
+
+    y = mx.zeros((rows,), mx.uint32)
+    for _ in range(3):  # warm-up (and recording)
+        y = step(y)
+    mx.eval(y)
+    start = time.perf_counter()
+    cur = step(y)
+    mx.async_eval(cur)
+    for _ in range(n):
+        nxt = step(cur)
+        mx.async_eval(nxt)
+        cur.tolist()
+        cur = nxt
+    cur.tolist()
+    return (time.perf_counter() - start) * 1e3 / (n + 1)
+
+
+def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from batchgen.kernels.attention import mark_cache
+
+    model = _step_model(shape)
+    pads = [(context // 2) * i // max(rows - 1, 1) for i in range(rows)]  # rows of context/2 .. context tokens
+    cache = mark_cache([BatchKVCache(pads) for _ in model.layers])
+    model(mx.random.randint(0, 1000, (rows, context)), cache=cache)
+    mx.eval([c.state for c in cache])
+    timed, step = [copy.copy(c) for c in cache], _stepper(model)  # the timing leaves `cache` where it was
+    print(f"{shape} rows={rows} context={context} wall_ms_per_step={_ms_a_step(lambda y: step(timed, y), rows):.3f}")
+    step = _stepper(model)  # a stepper keeps its cache's recent window: one a cache
     y = mx.zeros((rows,), mx.uint32)
     for _ in range(3):
-        y = stepper(cache, y, sample=False)[0].astype(mx.uint32)
+        y = step(cache, y)
         mx.eval(y)
-    _profiled(lambda: [mx.eval(stepper(cache, y, sample=False)[0]) for _ in range(steps)])
+    _profiled(lambda: [mx.eval(step(cache, y)) for _ in range(steps)])
 
 
 def tq_step(shape: str, context: int) -> None:
     import mlx.core as mx
-    from turboquant_attention import SHAPES, filled_turboquant, step_s
 
-    layers, heads, kv_heads, dim = SHAPES[shape]
-    caches = filled_turboquant(layers, context, kv_heads, dim, mx.bfloat16)
-    print(f"{shape} context={context} tq_ms_per_step={step_s(caches, 'tq', heads, kv_heads, dim, 20, mx.bfloat16) * 1e3:.3f}")
+    from batchgen.cache import turboquant as tq
+
+    layers, heads, kv_heads, dim = ATTENTION_SHAPES[shape.removeprefix("qwen2.5-")]
+    caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
+    for c in caches:  # `context` random positions, routed (step mode where the device has it)
+        c.routed = True
+        for lo in range(0, context, 2048):
+            k = mx.random.normal((1, kv_heads, min(2048, context - lo), dim)).astype(mx.bfloat16)
+            c.update_and_fetch(k, k * 0.5)
+            mx.eval(c.key_codes, c.value_codes)
+            c._chunk = None  # no attention reads the fill (it would mark the cache unrouted)
     q = mx.random.normal((1, heads, 1, dim)).astype(mx.bfloat16)
     k = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)
     ks = [mx.random.normal((1, kv_heads, context, dim)).astype(mx.bfloat16) for _ in range(2)]
     mx.eval(q, k, ks)
 
-    def both():
+    def tq_only():
         for c in caches:
             c.update_and_fetch(k, k)
         mx.eval([c.attention(q, dim**-0.5) for c in caches])
+
+    times = []
+    for i in range(23):
+        start = time.perf_counter()
+        tq_only()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    print(f"{shape} context={context} tq_ms_per_step={statistics.median(times) * 1e3:.3f}")
+
+    def both():
+        tq_only()
         mx.eval([mx.fast.scaled_dot_product_attention(q, ks[0], ks[1], scale=dim**-0.5) for _ in range(layers)])
 
     _profiled(both)
@@ -88,18 +164,34 @@ def tq_step(shape: str, context: int) -> None:
 
 def tq_batch(shape: str, rows: int, context: int) -> None:
     import mlx.core as mx
-    from batch_step import _timed, step_model
-    from turboquant_batch_probe import CompiledStepsOnce, turboquant_rows
 
-    model, _ = step_model(shape)
-    cache = turboquant_rows(model, rows, context, 4)
-    wall = _timed(lambda y: CompiledStepsOnce.step(model, cache, y), rows, 32)
-    print(f"{shape} turboquant rows={rows} context={context} wall_ms_per_step={wall:.3f}")
+    from batchgen.cache import turboquant
+    from batchgen.cache.turboquant_rows import TurboQuantBatchLayer
+    from batchgen.decode.passes import prefill
+
+    model = _step_model(shape)
+    job = turboquant.make_turboquant_cache(model, bits=4, trim_reserve=12)
+    prefill(model, job, mx.random.randint(0, 1000, (context,)).tolist(), 2048)
+    mx.eval([c.state[:8] for c in job])
+    cache = [TurboQuantBatchLayer(rows) for _ in job]  # the one prefilled job placed in every row
+    for layer, c in zip(cache, job):
+        layer._idx = context
+        for r in range(rows):
+            layer.place(r, c, context, rows)
+    mx.eval([layer.step_arrays() for layer in cache])
+    step = _stepper(model)
+    print(f"{shape} turboquant rows={rows} context={context} "
+          f"wall_ms_per_step={_ms_a_step(lambda y: step(cache, y), rows):.3f}")  # fmt: skip
     y = mx.zeros((rows,), mx.uint32)
-    _profiled(lambda: mx.eval(CompiledStepsOnce.step(model, cache, y)))
+    _profiled(lambda: mx.eval(step(cache, y)))
 
 
 def family(name: str) -> str:
+    """A kernel's family: its name up to the first '<' or '('.
+
+    >>> family("tq_step<128, 4>(float*)"), family("sm90_xmma_gemm_bf16")
+    ('tq_step', 'sm90_xmma_gemm_bf16')
+    """
     cut = min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))
     return name[:cut].strip()
 
@@ -127,15 +219,17 @@ def summary(path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="GPU time of each kernel of one decode step (run under ncu; see the top)")
     ap.add_argument("mode", choices=["step", "tq", "tqbatch", "summary"])
     ap.add_argument("path", nargs="?", type=Path, help="summary: the ncu CSV log")
-    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help="a `batchgen bench --shape` name")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=1, help="step: steps in the profiled range")
     a = ap.parse_args()
     if a.mode == "summary":
+        if a.path is None:
+            ap.error("summary needs the ncu CSV log")
         summary(a.path)
     elif a.mode == "step":
         batch_step(a.shape, a.rows, a.context, a.steps)

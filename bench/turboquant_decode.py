@@ -2,15 +2,15 @@
 loop, one process.
 
     python bench/turboquant_decode.py qwen2.5-7b 1024,8192,32768 [--rounds 5] [--tokens 33]
-        [--baseline FILE] [--out results.jsonl]
+        [--out results.jsonl]
 
 For each context: one random prompt prefilled into mlx-lm's KVCache (fp16: the model's
 bf16) and into batchgen's TurboQuant cache (4 bits: keys 5, values 3, its default sinks
 and window), then `rounds` rounds of `tokens` greedy steps through mlx-lm's own
 `generate_step` on each side, the sides taking turns so that a machine's drift falls on
 both. Both sides run the same loop and model: the figure is the cache's alone (no
-fusion, no prompt lookup). `--baseline`: a third side, TurboQuant with the step
-(kernels and launches) of another commit's turboquant_kernels.py.
+fusion, no prompt lookup). Another version of batchgen is compared by running this
+script in both trees (`BASELINE=DIR bash bench/h200.sh headline7b`).
 
 Prints a JSON line a context: each side's ms a token in each round and their median,
 TurboQuant's decode speed over fp16's (`tq_over_fp16`, from the medians;
@@ -25,18 +25,16 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from batchgen.cache import turboquant as tq
-from batchgen.kernels import turboquant as turboquant_kernels
-from batchgen.bench import random_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the batchgen of the tree this script is in
 
-sys.path.insert(0, "bench")
-from projection_probe import patched  # noqa: E402
-from turboquant_attention import baseline_kernels  # noqa: E402
+from batchgen.bench import random_model  # noqa: E402
+from batchgen.cache import turboquant as tq  # noqa: E402
 
 
 def decode_ms(model, cache, token: int, n: int) -> tuple[float, int]:
@@ -56,50 +54,39 @@ def prefilled(model, prompt: mx.array, cache) -> int:
     return int(tok)
 
 
-def measure(model, vocab: int, context: int, rounds: int, tokens: int, baseline: str | None) -> dict:
+def measure(model, vocab: int, context: int, rounds: int, tokens: int) -> dict:
     prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context))
-    sides = {"fp16": (make_prompt_cache(model), {}), "tq": (tq.make_turboquant_cache(model, 4), {})}
-    if baseline:
-        sides["tq_baseline"] = (tq.make_turboquant_cache(model, 4), baseline_kernels(baseline))
-    last = {}  # each side's last token
-    for name, (cache, patch) in sides.items():
-        with patched(turboquant_kernels, **patch):
-            last[name] = prefilled(model, prompt, cache)
+    sides = {"fp16": make_prompt_cache(model), "tq": tq.make_turboquant_cache(model, 4)}
+    last = {name: prefilled(model, prompt, cache) for name, cache in sides.items()}  # each side's last token
     row = {"context": context, "tokens": tokens,
-           "kv_bytes": {name: sum(c.nbytes for c in cache) for name, (cache, _) in sides.items()}}  # fmt: skip
+           "kv_bytes": {name: sum(c.nbytes for c in cache) for name, cache in sides.items()}}  # fmt: skip
     ms = {name: [] for name in sides}
     for r in range(rounds):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for name in order:
-            cache, patch = sides[name]
-            with patched(turboquant_kernels, **patch):
-                t, last[name] = decode_ms(model, cache, last[name], tokens)
+        for name in list(sides) if r % 2 == 0 else list(reversed(sides)):
+            t, last[name] = decode_ms(model, sides[name], last[name], tokens)
             ms[name].append(round(t, 3))
     for name in sides:
         row[f"{name}_ms"] = ms[name]
         row[f"{name}_ms_median"] = statistics.median(ms[name])
-    for name in sides:
-        if name != "fp16":
-            row[f"{name}_over_fp16"] = row["fp16_ms_median"] / row[f"{name}_ms_median"]
-            # Round by round (the two sides back to back): steadier where the machine drifts.
-            row[f"{name}_over_fp16_paired"] = statistics.median(a / b for a, b in zip(ms["fp16"], ms[name]))
+    row["tq_over_fp16"] = row["fp16_ms_median"] / row["tq_ms_median"]
+    # Round by round (the two sides back to back): steadier where the machine drifts.
+    row["tq_over_fp16_paired"] = statistics.median(a / b for a, b in zip(ms["fp16"], ms["tq"]))
     return row
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("shape")
-    ap.add_argument("contexts")
+    ap = argparse.ArgumentParser(description="TurboQuant decode against mlx-lm's fp16 cache, one loop, sides in turn")
+    ap.add_argument("shape", help="a `batchgen bench --shape` name, e.g. qwen2.5-7b")
+    ap.add_argument("contexts", help="comma-separated prompt lengths, e.g. 1024,8192,32768")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=33)
-    ap.add_argument("--baseline")
+    ap.add_argument("--tokens", type=int, default=33, help="greedy steps a round (the first one's time left out)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out")
     a = ap.parse_args()
     model, config = random_model(a.shape, a.dtype, None, 0)
     for context in (int(x) for x in a.contexts.split(",")):
         row = {"shape": a.shape, "device": str(mx.default_device()),
-               **measure(model, config["vocab_size"], context, a.rounds, a.tokens, a.baseline)}  # fmt: skip
+               **measure(model, config["vocab_size"], context, a.rounds, a.tokens)}  # fmt: skip
         print(json.dumps(row), flush=True)
         if a.out:
             with open(a.out, "a") as f:

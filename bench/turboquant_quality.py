@@ -21,7 +21,7 @@
    ~10x faster than MLX on CPU), the only model here with trained attention patterns.
 
 Variants are simulated (quantize -> dequantize with the codec functions of
-`batchgen.turboquant`; exact sinks and per-query windows), so one harness covers
+`batchgen.cache.turboquant`; exact sinks and per-query windows), so one harness covers
 options the cache does not ship (raw norm, QJL residual, key centering, other splits).
 The "cache:" rows run the real `make_turboquant_cache` (rotated-domain attention hook);
 they differ from the matching simulated row only by the rotation seeds (V shares K's

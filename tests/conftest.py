@@ -4,7 +4,7 @@ from pathlib import Path
 
 # Float32 exactness means float32: MLX's CUDA backend runs float32 matmuls as TF32
 # (10-bit mantissa) unless told otherwise, so two passes of different shapes could
-# part at a near-tie (bench/batch_pld_margin.py). Set before anything imports MLX;
+# part at a near-tie (bench/RESULTS.md#float32-on-cuda). Set before anything imports MLX;
 # no effect on the CPU.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
