@@ -399,7 +399,7 @@ def save_results(result: dict, out_json: Path, out_png: Path | None) -> None:
 # `batch_generate` on the same prompts.
 
 
-def _repeat_jobs(jobs: list[Job], n: int) -> list[Job]:
+def repeat_jobs(jobs: list[Job], n: int) -> list[Job]:
     """`n` jobs cycling through `jobs`, with distinct ids."""
     return [Job(**{**jobs[i % len(jobs)].__dict__, "id": f"{jobs[i % len(jobs)].id}#{i}"}) for i in range(n)]
 
@@ -420,7 +420,7 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
 
     plain_model, tokenizer, engine, config = load_pair(cfg)
     base, _ = bench_jobs(cfg, tokenizer)
-    jobs = _repeat_jobs(base, n_jobs)
+    jobs = repeat_jobs(base, n_jobs)
     prompts = [engine.prompt_tokens(j) for j in jobs]
     max_tokens = [j.max_tokens for j in jobs]
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the batchgen of the tree this script is in
 
-from batchgen.bench import BenchConfig, _repeat_jobs, bench_jobs, load_pair  # noqa: E402
+from batchgen.bench import BenchConfig, repeat_jobs, bench_jobs, load_pair  # noqa: E402
 from batchgen.config import DEMO_MODEL_DIR, EngineConfig, KVConfig  # noqa: E402
 from batchgen.engine import entering  # noqa: E402
 from batchgen.engine.core import Engine  # noqa: E402
@@ -136,14 +136,14 @@ def main() -> None:
     ap.add_argument("--no-shrink", action="store_true", help="keep every row to the end (no `_shrink` of the batch)")
     ap.add_argument("--keep-buffers", action="store_true",
                     help="skip mx.clear_cache during the run (MLX's freed buffers stay cached for reuse)")
-    ap.add_argument("--flash-min-queries", type=int, default=None,
-                    help="turboquant.FLASH_MIN_QUERIES for the run: TurboQuant passes of fewer queries skip cuDNN")
+    ap.add_argument("--fused-prefill-queries", type=int, default=None,
+                    help="FUSED_PREFILL_QUERIES for the run: TurboQuant passes of fewer queries skip cuDNN")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    if a.flash_min_queries is not None:
+    if a.fused_prefill_queries is not None:
         from batchgen.cache import turboquant
 
-        turboquant.FLASH_MIN_QUERIES = a.flash_min_queries
+        turboquant.FUSED_PREFILL_QUERIES = a.fused_prefill_queries
     engine_cfg = EngineConfig(model=a.model, batch_size=a.batch, compiled_batch_step=not a.uncompiled,
                               kv=KVConfig(kind=a.kv_cache))  # fmt: skip
     cfg = BenchConfig(engine_cfg, jobs_path=a.jobs, shape=a.shape, max_tokens=a.max_tokens)
@@ -151,7 +151,7 @@ def main() -> None:
     base, system = bench_jobs(cfg, tokenizer)
     if system:
         engine.prewarm(system, "bench")
-    jobs = _repeat_jobs(base, a.jobs_total)
+    jobs = repeat_jobs(base, a.jobs_total)
     list(engine.run_all(jobs[: a.batch], total=a.batch))  # warm-up
     if a.cold and engine.pool is not None:
         engine.pool.forget()

@@ -56,22 +56,22 @@ def _profiled(fn) -> None:
 
 
 def _step_model(shape: str):
-    """Random bf16 weights of a real shape, fused, with the attention hook: as the
-    scheduler steps a batch."""
+    """Random bf16 weights of a real shape, fused, its attention routed to the caches:
+    as the scheduler steps a batch."""
     from batchgen.bench import random_model
-    from batchgen.kernels.attention import install_short_attention
+    from batchgen.transforms.attention import route_attention
     from batchgen.transforms.fusion import fuse_model
 
     model, _ = random_model(shape, "bfloat16", None, 0)
     fuse_model(model)
-    install_short_attention(model)
+    route_attention(model)
     return model
 
 
 def _stepper(model, kernel: bool = True):
     """A compiled step of `model` (its CUDA kernels where there are), a function of
     (cache, tokens) -> next tokens."""
-    from batchgen.kernels.turboquant import available
+    from batchgen.kernels.registry import available
     from batchgen.step.compiled import CompiledSteps
 
     import mlx.core as mx
@@ -104,13 +104,11 @@ def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
     import copy
 
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
-
-    from batchgen.kernels.attention import mark_cache
+    from batchgen.cache.fp16 import Fp16BatchCache
 
     model = _step_model(shape)
     pads = [(context // 2) * i // max(rows - 1, 1) for i in range(rows)]  # rows of context/2 .. context tokens
-    cache = mark_cache([BatchKVCache(pads) for _ in model.layers])
+    cache = [Fp16BatchCache(pads, kernels=True) for _ in model.layers]
     model(mx.random.randint(0, 1000, (rows, context)), cache=cache)
     mx.eval([c.state for c in cache])
     timed, step = [copy.copy(c) for c in cache], _stepper(model)  # the timing leaves `cache` where it was
@@ -126,12 +124,11 @@ def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
 def tq_step(shape: str, context: int) -> None:
     import mlx.core as mx
 
-    from batchgen.cache import turboquant as tq
+    from batchgen.cache.turboquant_step import TurboQuantStepKVCache
 
     layers, heads, kv_heads, dim = ATTENTION_SHAPES[shape.removeprefix("qwen2.5-")]
-    caches = [tq.TurboQuantKVCache(4, seed=i) for i in range(layers)]
-    for c in caches:  # `context` random positions, routed (step mode where the device has it)
-        c.routed = True
+    caches = [TurboQuantStepKVCache(4, seed=i, routed=True) for i in range(layers)]
+    for c in caches:  # `context` random positions (step mode where the device has it)
         for lo in range(0, context, 2048):
             k = mx.random.normal((1, kv_heads, min(2048, context - lo), dim)).astype(mx.bfloat16)
             c.update_and_fetch(k, k * 0.5)
@@ -145,7 +142,7 @@ def tq_step(shape: str, context: int) -> None:
     def tq_only():
         for c in caches:
             c.update_and_fetch(k, k)
-        mx.eval([c.attention(q, dim**-0.5) for c in caches])
+        mx.eval([c.attention(q, scale=dim**-0.5) for c in caches])
 
     times = []
     for i in range(23):
@@ -165,17 +162,17 @@ def tq_step(shape: str, context: int) -> None:
 def tq_batch(shape: str, rows: int, context: int) -> None:
     import mlx.core as mx
 
-    from batchgen.cache import turboquant
+    from batchgen.cache.factory import make_turboquant_cache
     from batchgen.cache.turboquant_rows import TurboQuantBatchLayer
     from batchgen.decode.passes import prefill
 
     model = _step_model(shape)
-    job = turboquant.make_turboquant_cache(model, bits=4, trim_reserve=12)
+    job = make_turboquant_cache(model, bits=4, trim_reserve=12)
     prefill(model, job, mx.random.randint(0, 1000, (context,)).tolist(), 2048)
     mx.eval([c.state[:8] for c in job])
     cache = [TurboQuantBatchLayer(rows) for _ in job]  # the one prefilled job placed in every row
     for layer, c in zip(cache, job):
-        layer._idx = context
+        layer.write_position = context
         for r in range(rows):
             layer.place(r, c, context, rows)
     mx.eval([layer.step_arrays() for layer in cache])

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the batchgen of the tree this script is in
 
 from batchgen.bench import random_model  # noqa: E402
-from batchgen.cache import turboquant as tq  # noqa: E402
+from batchgen.cache.factory import make_turboquant_cache  # noqa: E402
 
 
 def decode_ms(model, cache, token: int, n: int) -> tuple[float, int]:
@@ -56,7 +56,7 @@ def prefilled(model, prompt: mx.array, cache) -> int:
 
 def measure(model, vocab: int, context: int, rounds: int, tokens: int) -> dict:
     prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context))
-    sides = {"fp16": make_prompt_cache(model), "tq": tq.make_turboquant_cache(model, 4)}
+    sides = {"fp16": make_prompt_cache(model), "tq": make_turboquant_cache(model, 4)}
     last = {name: prefilled(model, prompt, cache) for name, cache in sides.items()}  # each side's last token
     row = {"context": context, "tokens": tokens,
            "kv_bytes": {name: sum(c.nbytes for c in cache) for name, cache in sides.items()}}  # fmt: skip

@@ -25,14 +25,14 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchgen.cache import turboquant as tq  # noqa: E402
+from batchgen.cache.factory import make_turboquant_cache  # noqa: E402
 from batchgen.bench import answer_nll, greedy_ids, prefix_agreement  # noqa: E402
 
 
 def variants(model) -> dict:
     """Cache makers by name; "fp32" (the reference) first."""
     layers = len(model.layers)
-    make = tq.make_turboquant_cache
+    make = make_turboquant_cache
     return {
         "fp32": lambda: [KVCache() for _ in range(layers)],
         "mlx4_g32": lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in range(layers)],

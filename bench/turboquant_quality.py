@@ -48,6 +48,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from batchgen.cache import turboquant as tq  # noqa: E402
+from batchgen.cache.factory import make_turboquant_cache  # noqa: E402
+from batchgen.turboquant import codec  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Variant specs
@@ -86,7 +88,7 @@ class Spec:
     def ratio(self, d: int, tokens: int = 1024) -> float:
         """Bytes against fp16 as TurboQuantKVCache holds them: sinks exact, codes for
         every later token, exact copies of window - 1 + trim_reserve (5) tokens."""
-        recent = self.window - 1 + tq.DEFAULT_TRIM_RESERVE if self.window else 0
+        recent = self.window - 1 + codec.DEFAULT_TRIM_RESERVE if self.window else 0
         coded = tokens - min(tokens, self.sink)
         bits = coded * (self.k.bits_per_coord(d) + self.v.bits_per_coord(d))
         return (bits + (self.sink + recent) * 32) / (tokens * 32)
@@ -140,13 +142,13 @@ def specs(quick: bool):
 
 def _levels(q: Q, d: int) -> np.ndarray:
     if q.book == "beta":
-        return tq.lloyd_max_codebook(q.bits, d).astype(np.float32)
-    return tq.codebook(q.bits)
+        return codec.lloyd_max_codebook(q.bits, d).astype(np.float32)
+    return codec.codebook(q.bits)
 
 
 def tq_roundtrip(x: mx.array, q: Q, bits: int, seed: int) -> mx.array:
     d = x.shape[-1]
-    rot = tq.rotation(d, seed)
+    rot = codec.rotation(d, seed)
     levels = _levels(Q(bits=bits, book=q.book), d)
     edges = mx.array((levels[1:] + levels[:-1]) / 2)
     norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
@@ -343,7 +345,7 @@ def make_cache(model, kind, seed=0):
             out.append(None)
     if isinstance(kind, tuple):
         # The shipped cache as the engine makes it (rotated-domain attention hook).
-        real = tq.make_turboquant_cache(model, kind[1], seed=seed)
+        real = make_turboquant_cache(model, kind[1], seed=seed)
         out = [r if o is None else o for o, r in zip(out, real)]
     return out
 
@@ -570,7 +572,7 @@ def attention_speed(context=4096, n_q_heads=32, n_kv_heads=8, dim=128, repeats=2
         "fp16 KVCache": KVCache(),
         "mlx affine 4b g64": QuantizedKVCache(64, 4),
         "turboquant 4 dequantize-on-fetch": tq.TurboQuantKVCache(4),
-        "turboquant 4 rotated (install_attention)": tq.TurboQuantKVCache(4),
+        "turboquant 4 rotated (its attention)": tq.TurboQuantKVCache(4, routed=True),
     }
     for name, cache in caches.items():
         cache.update_and_fetch(k, v)
