@@ -27,14 +27,15 @@ def prefill(model: nn.Module, cache: list, tokens: list[int], step_size: int, pa
 
     `logits`: return the next-token logits (1, vocab) after the last token, so
     the first generated token needs no pass of its own (mlx-lm's loop feeds the
-    prompt's last token as a separate one-token step: a whole forward pass,
-    11 ms of a 48 ms time-to-first-token on the H200 at the 7B shape).
+    prompt's last token as a separate one-token step: a whole forward pass;
+    bench/RESULTS.md#prompt-pool-and-first-token).
 
     `pad`: the last chunk is padded to `padded_length` and the pads trimmed from
     the cache afterwards. Causal attention keeps the real tokens' entries exactly
     as without pads; the pass shapes repeat across jobs instead of being new for
-    each prompt length (each new shape costs ~50 ms of kernel and plan builds on
-    MLX's CUDA backend, measured 2026-11-29). Only for caches that trim exactly."""
+    each prompt length (each new shape costs kernel and plan builds on MLX's CUDA
+    backend: bench/RESULTS.md#short-pass-attention). Only for caches that trim
+    exactly."""
     extra = padded_length(len(tokens) % step_size, step_size) - len(tokens) % step_size if pad and tokens else 0
     last = len(tokens) - 1
     tokens = list(tokens) + [tokens[-1]] * extra if extra else tokens

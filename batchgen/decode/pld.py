@@ -184,8 +184,8 @@ class DraftPolicy:
     job_prior_passes: float = 4.0  # weight of the run's tokens-per-pass in a job's estimate
     explore_every: int = 64  # skipped drafts between forced verifies (keeps costs measured)
     # After a skipped draft, plain tokens before the next look (a switch drains the
-    # pipeline). H200, demo model, 16 edit jobs: 4, 8 and 16 each gave 2.22x plain
-    # decoding (bench/results/2026-11-29-h200-c); 4 looks again soonest.
+    # pipeline). 4, 8 and 16 measured the same (bench/RESULTS.md#prompt-lookup);
+    # 4 looks again soonest.
     min_plain_tokens: int = 4
     accepted: int = 0  # draft tokens accepted, run-wide (for the record)
     drafted: int = 0

@@ -116,17 +116,17 @@ def short_attention_wanted(setting: bool | None) -> bool:
 
 def default_draft() -> str:
     """Prompt lookup on every device: its policy times this device's plain steps and
-    verify passes and verifies only the drafts that pay. Measured with the demo
-    model: H200 1.60x on edits; 2-core CPU 1.25x on edits, 1.41x on free-form (an
-    earlier, weaker build of the model lost there, 0.87x, before the policy measured
-    realized throughput)."""
+    verify passes and verifies only the drafts that pay, so it is a gain where drafts
+    are accepted and close to plain decoding where they are not
+    (bench/RESULTS.md#prompt-lookup). A device or model where PLD measured a loss
+    would make "none" the default there."""
     return "pld"
 
 
 def default_batch_size() -> int | str:
     """Batching pays where a step is bound by per-pass overhead, as on a GPU, and
-    the more rows the better there (H200, 256 jobs, 0.5B shape: "auto" ran 256 rows
-    at 4.6x the throughput of 32 rows); on a CPU a step costs in proportion to its rows."""
+    the more rows the better there (bench/RESULTS.md#whole-file-throughput); on a
+    CPU a step costs in proportion to its rows."""
     return "auto" if mx.default_device().type == mx.gpu else 1
 
 
@@ -296,9 +296,8 @@ class Engine:
     def prefill_tokens(self, cache: list, tokens: list[int], logits: bool = False) -> mx.array | None:
         # Padded passes keep the short-pass attention: mx.fast attention builds per
         # (queries, keys) pair and the keys length is the cached prefix's, which
-        # varies. H200, 7B shape: a padded 256-token tail took 13 ms through it once
-        # built, 20-26 ms as plain ops, but the bench's first jobs 73-86 ms against
-        # 48 ms (bench/results/2026-11-29-h200-c/padattn).
+        # varies, so its builds cost the first jobs more than plain ops cost every
+        # pass (bench/RESULTS.md#short-pass-attention).
         pad = self.pad_prompts and pads_exactly(cache)
         return prefill(self.model, cache, tokens, self.config.prefill_step_size, pad=pad, logits=logits)
 

@@ -38,12 +38,11 @@ if TYPE_CHECKING:  # the engine hands itself in; imports run down, from it to he
 # Rows x padded length of one shared prompt pass (activations grow with it).
 GROUP_TOKENS = 16384
 GROUP_SCORE_BYTES = 1 << 30
-# A pass's own cost beyond its tokens (`pass_cost_tokens`), as measured on an
-# H200 (7B shape, 256 jobs of `jobs/edits.jsonl`: prompt seconds = tokens
-# computed / 31k tok/s + 35 ms a pass fit four runs of 8 to 90 passes within
-# 1-6%, the passes counted offline from the same jobs): its layers queued and
-# evaluated one by one, its rows' caches cut out and copied; a token costs
-# ~2 x parameters FLOPs at PROMPT_FLOPS.
+# A pass's own cost beyond its tokens (`pass_cost_tokens`): its layers queued and
+# evaluated one by one, its rows' caches cut out and copied; a token costs ~2 x
+# parameters FLOPs at PROMPT_FLOPS. Both fit on an H200
+# (bench/RESULTS.md#entering-prompt-passes); a device whose passes cost otherwise
+# would split the entering rows differently.
 PASS_OVERHEAD_S = 0.035
 PROMPT_FLOPS = 4.7e14
 # Tokens that prompts entering together share beyond their cached prefix, from
@@ -52,7 +51,8 @@ SHARED_MIN = 32
 # Where passes are padded (a GPU: a small pass costs about the same whatever its
 # size), a pool hit up to this many tokens longer than another entering
 # prompt's hit on the same tokens is cut back to it, so that the two share one
-# pass instead of one each (7B shape, H200: 20-50 ms a pass).
+# pass instead of one each (a pass costs tens of milliseconds:
+# bench/RESULTS.md#entering-prompt-passes).
 MERGE_SLACK = 64
 
 
@@ -141,7 +141,7 @@ def padded_rows(n: int) -> int:
 # Shared passes of at least this many tokens (rows x length) are evaluated layer by
 # layer on a GPU: there a pass's temporaries are released only when the GPU has
 # finished with them, and a whole pass queued at once held many layers' worth
-# (0.5B shape, H200: 16 rows x 256 tokens peaked 2.2-4.6 GB above the resident set).
+# (bench/RESULTS.md#entering-prompt-passes).
 LAYERWISE_TOKENS = 1024
 
 
@@ -284,10 +284,8 @@ def _padded_row(cache: list, pad_step: int | None) -> bool:
     row: a TurboQuant prompt where passes are padded. `Engine.prefill_tokens` pads
     only caches whose trim drops the pads alone; `TurboQuantKVCache.repeated`
     keeps what makes a padded row exact, so its passes come in the few shapes
-    the shared passes do instead of one per prompt length. (H200, 0.5B
-    shape: TurboQuant passes of one row at their own lengths took 0.06-0.17 s
-    each; shared passes 0.14-0.20 s at a shape's first time, 0.07 at its
-    second, `bench/results/2026-12-01-h200-c/b/tqshared_profile.json`.)"""
+    the shared passes do instead of one per prompt length, each built once
+    (bench/RESULTS.md#turboquant-rows)."""
     return pad_step is not None and all(isinstance(c, TurboQuantKVCache) for c in cache)
 
 

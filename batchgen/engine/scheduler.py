@@ -4,8 +4,8 @@ Why not mlx-lm's `BatchGenerator` as is: it removes a finished sequence by
 gathering every other row's KV cache into a new array (`filter`), adds new
 ones by concatenating padded caches (`extend`), and splits each step's
 log-probabilities into one array per row, so the per-step cost grows with
-churn. On an H200 it ran 918 tok/s at batch 8 against 249 tok/s for one
-stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
+churn: per-step overhead, not bandwidth, bounds it on a GPU
+(bench/RESULTS.md#whole-file-throughput). Here the batch keeps B fixed rows:
 
 - the KV cache is mlx-lm's `BatchKVCache` (`Fp16BatchCache`: every model's
   attention already understands its per-row offsets and left padding), or
@@ -27,8 +27,8 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
   tokens of all rows come back in one transfer.
 
 Batched rows decode plainly. A verify pass over every row's drafts (prompt
-lookup in the batch) was measured at 0.60-0.99x of plain batched rows on an
-H200 (bench/RESULTS.md): a step of B rows already reads the weights once for
+lookup in the batch) was measured slower than plain batched rows on an H200
+(bench/RESULTS.md#prompt-lookup-in-a-batch): a step of B rows already reads the weights once for
 all of them, so drafts only add compute. PLD is the one-at-a-time path; a
 batch whose rows stay few and copy-heavy is where drafting could pay again.
 
@@ -208,8 +208,8 @@ class BatchScheduler:
         # step kernels a step of 2 rows costs about what one of 32 does (the
         # weights are read once for all rows; an emptied row's attention reads
         # only what was written after it, `_empty_freed`), and each new row
-        # count is a new recording and new kernel builds: the last two shrunk
-        # steps of a 128-job run (0.5B shape) took 4.3 and 3.5 s on an H200.
+        # count is a new recording and new kernel builds, which cost seconds
+        # (bench/RESULTS.md#rows-kept-to-the-end).
         self.shrinks = not kernel
         self.freed: set[int] = set()  # rows freed since the last step
 

@@ -1,9 +1,8 @@
 """A batch's one-token step through a llama-family model in few primitives.
 
 A compiled batch step of a small model costs what its primitive count costs:
-MLX's CUDA backend spends ~3 us of host time on each primitive it evaluates,
-kernel or view, and the GPU finishes first (0.5B shape, 8 rows, H200: ~930
-primitives, 3.0 of a 3.7 ms step in dispatch; bench/results/2026-11-30-h200-s).
+MLX's CUDA backend spends microseconds of host time on each primitive it
+evaluates, kernel or view, and the GPU finishes first (bench/RESULTS.md#step-forward).
 mlx-lm's layers are written for any sequence length: 3-D activations (every
 matmul flattens and unflattens them), weights transposed at every call, q / k /
 v reshaped and transposed one by one, about 38 primitives a layer. For one
