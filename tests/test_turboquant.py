@@ -14,6 +14,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from batchgen.cache import turboquant as tq
+from batchgen.cache import turboquant_attention as tqa
 from batchgen.cache.factory import make_turboquant_cache
 from batchgen.transforms.attention import route_attention, unroute_attention
 from batchgen.turboquant import reference
@@ -171,9 +172,9 @@ def reference_attention(cache, exact_k, exact_v, q, scale):
 
 
 def test_query_block_bounds_the_scores():
-    assert tq.query_block(14, 1024) == 512
-    assert tq.query_block(14, 32768) == (128 << 20) // (4 * 14 * 32768) == 73
-    assert tq.query_block(28, 10**7) == 16
+    assert tqa.query_block(14, 1024) == 512
+    assert tqa.query_block(14, 32768) == (128 << 20) // (4 * 14 * 32768) == 73
+    assert tqa.query_block(28, 10**7) == 16
 
 
 @pytest.mark.parametrize("options", [{}, {"sink_tokens": 0}, {"window": 1, "trim_reserve": 0}])
@@ -184,7 +185,7 @@ def test_attention_is_the_reading_rule(chunks, flash, options, monkeypatch):
     rotation, against turboquant/reference.py; multi-query passes blocked (ops) or as
     one masked mx.fast attention call (`fused_prefill`)."""
     if chunks == "blocks of 16":  # a prefill chunk attended 16 queries at a time
-        monkeypatch.setattr(tq, "_SCORE_BYTES", 1)
+        monkeypatch.setattr(tqa, "SCORE_BYTES", 1)
         chunks = [37]
     total = sum(chunks)
     k, v = kv(total, 11)
@@ -205,11 +206,11 @@ def test_attention_is_the_reading_rule(chunks, flash, options, monkeypatch):
 
 def test_flash_mask_literal():
     """The docstring's example: queries 3 and 4, tail 2..4, window 2, width 8."""
-    bias = tq._flash_mask(2, 5, 0, 3, 2, 8, mx.float32)
+    bias = tqa.fused_prefill_mask(2, 5, 0, 3, 2, 8, mx.float32)
     readable = np.array(bias[0, 0] == 0).astype(int)
     assert readable.tolist() == [[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 1, 1]]
     # Sinks (position 0 here) are read as sinks, never from the tail.
-    bias = tq._flash_mask(2, 3, 1, 3, 8, 6, mx.float32)
+    bias = tqa.fused_prefill_mask(2, 3, 1, 3, 8, 6, mx.float32)
     assert np.array(bias[0, 0] == 0).astype(int).tolist() == [[1, 0, 0, 0, 1, 0], [1, 0, 0, 0, 1, 1]]
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from batchgen.cache import turboquant as tq
+from batchgen.cache import turboquant_attention as tqa
 from batchgen.cache.factory import make_turboquant_cache
 from batchgen.cache.turboquant_step import TurboQuantStepKVCache
 from batchgen.kernels import registry
@@ -168,7 +169,7 @@ def test_flash_multi_query_passes_match_the_blocked_path(step_on_cpu, monkeypatc
     for i, (x, y) in enumerate(zip(outs[True][0], outs[False][0])):
         assert mx.allclose(x, y, atol=1e-5), (i, mx.abs(x - y).max())
     same_stored(outs[True][1], outs[False][1])
-    assert tq._FLASH_MASK[0] is None  # every schedule ends decoding: the prefill's mask is let go
+    assert tqa._FUSED_MASK[0] is None  # every schedule ends decoding: the prefill's mask is let go
 
 
 @pytest.mark.skipif(registry.available(), reason="float32 exactness is a CPU claim (CUDA: the bf16 test below)")

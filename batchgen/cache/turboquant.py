@@ -33,14 +33,13 @@ Quality against mlx-lm's 4-bit cache: bench/RESULTS.md#turboquant-bit-split.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from ..kernels.registry import available
-from ..kernels.turboquant import SCORES, VALUES, encode
+from ..kernels.turboquant import encode
 from ..transforms.attention import routed_modules
 from ..turboquant.codec import (
     CODEBOOKS,
@@ -50,10 +49,17 @@ from ..turboquant.codec import (
     SUPPORTED_BITS,
     Rotation,
     dequantize_rotated,
-    levels,
     packed_words,
     resolve_bits,
     rotation,
+)
+from .turboquant_attention import (
+    FUSED_PREFILL_QUERIES,
+    CodedHistory,
+    forget_prefill_mask,
+    fused_attention,
+    query_block,
+    rotated_attention,
 )
 
 
@@ -518,14 +524,14 @@ class TurboQuantKVCache(_BaseCache):
             tail = (self.recent_keys, self.recent_values)
         parts = self._rotated_parts(tail, dtype)
         if self._flash(queries, mask):
-            out = _flash_attention(q.astype(dtype), parts, self.offset, self.window, scale)
+            out = fused_attention(q.astype(dtype), parts, self.offset, self.window, scale)
         else:
             out = self._blocked_attention((q * scale).astype(dtype), parts, mask)
         out = self._rotation(self.value_dim).inverse(out.astype(mx.float32))
         return out.astype(dtype)
 
     def _flash(self, queries: mx.array, mask) -> bool:
-        """Whether a multi-query pass takes `_flash_attention` (`fused_prefill`)."""
+        """Whether a multi-query pass takes `fused_attention` (`fused_prefill`)."""
         if self.fused_prefill is False or queries.shape[2] == 1 or isinstance(mask, mx.array):
             return False
         if self.fused_prefill is None:  # where mx.fast takes it to cuDNN's fused attention
@@ -537,7 +543,7 @@ class TurboQuantKVCache(_BaseCache):
         return True
 
     def _blocked_attention(self, q: mx.array, parts, mask) -> mx.array:
-        """`_rotated_attention` over blocks of queries (q scaled and rotated)."""
+        """`rotated_attention` over blocks of queries (q scaled and rotated)."""
         L_q = q.shape[2]
         outs = []
         # Blocks of queries bound the (L_q x offset) scores of long prefill chunks.
@@ -546,7 +552,7 @@ class TurboQuantKVCache(_BaseCache):
             hi = min(L_q, lo + block)
             m = mask[..., lo:hi, :] if isinstance(mask, mx.array) else mask
             end = self.offset - (L_q - hi)
-            outs.append(_rotated_attention(q[:, :, lo:hi], parts, end, self.window, m))
+            outs.append(rotated_attention(q[:, :, lo:hi], parts, end, self.window, m))
             if block < L_q:
                 # One block at a time: left lazy, MLX runs the blocks' graphs side by
                 # side and holds all their scores at once; merely ordered (mx.depends)
@@ -577,202 +583,3 @@ class TurboQuantKVCache(_BaseCache):
                 rotate(tail[1][:, :, -n:], rot_v),
             )
         return sinks, coded, tail
-
-
-class CodedHistory:
-    """One layer's coded tokens (positions sink_tokens .. offset - 1) as attention
-    reads them, in the rotated domain: scores of queries against the keys, and
-    probability-weighted sums of the values. A coded vector is scale / sqrt(d) times
-    its codebook values, so the scales multiply the L_q x L scores and probabilities,
-    never an L x d array."""
-
-    def __init__(self, cache: "TurboQuantKVCache", dtype):
-        self.cache, self.dtype, self.n = cache, dtype, cache._n_coded
-        self.n_kv_heads = cache.key_codes.shape[1]
-        self._decoded = {}  # ops path: codebook values, once per call (not per query block)
-
-    def decoded(self) -> Tuple[mx.array, mx.array]:
-        """Keys and values as vectors in the rotated domain, model dtype."""
-        c, n = self.cache, self.n
-        k = dequantize_rotated(c.key_codes[:, :, :n], c.key_norms[:, :, :n], c.key_bits, c.key_dim)
-        v = dequantize_rotated(c.value_codes[:, :, :n], c.value_norms[:, :, :n], c.value_bits, c.value_dim)
-        return k.astype(self.dtype), v.astype(self.dtype)
-
-    def _values_of(self, which: str) -> mx.array:
-        """Codebook values (model dtype, not yet scaled) of the keys ("k") or values ("v")."""
-        if which not in self._decoded:
-            c = self.cache
-            keys = which == "k"
-            words = c.key_codes if keys else c.value_codes
-            bits, dim = (c.key_bits, c.key_dim) if keys else (c.value_bits, c.value_dim)
-            self._decoded[which] = levels(words[:, :, : self.n], bits, dim).astype(self.dtype)
-        return self._decoded[which]
-
-    def scores(self, q: mx.array) -> mx.array:
-        """q (B, Hkv, G, L_q, d), scaled and rotated -> float32 (B, Hkv, G, L_q, n)."""
-        c, n = self.cache, self.n
-        B, H, G, L, d = q.shape
-        flat_q = q.reshape(B * H, G * L, d).astype(mx.float32)
-        codes = c.key_codes.reshape(B * H, *c.key_codes.shape[2:])
-        scales = c.key_norms.reshape(B * H, -1)
-        if SCORES.takes(flat_q, codes, scales, c.key_bits, n):
-            return SCORES.kernel_form(flat_q, codes, scales, c.key_bits, n).reshape(B, H, G, L, n)
-        # The ops path multiplies in the model's dtype (Metal, CPU).
-        k = self._values_of("k")
-        s = (q @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
-        return s * (c.key_norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d)))[:, :, None, None, :]
-
-    def values(self, p: mx.array) -> mx.array:
-        """p float32 (B, Hkv, G, L_q, n) -> sum_j p_j v_j (B, Hkv, G, L_q, d_v), model dtype."""
-        c, n, d = self.cache, self.n, self.cache.value_dim
-        B, H, G, L, _ = p.shape
-        p = p * (c.value_norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d)))[:, :, None, None, :]
-        flat_p = p.reshape(B * H, G * L, n)
-        codes = c.value_codes.reshape(B * H, *c.value_codes.shape[2:])
-        if VALUES.takes(flat_p, codes, c.value_bits, d):
-            return VALUES.kernel_form(flat_p, codes, c.value_bits, d).reshape(B, H, G, L, d).astype(self.dtype)
-        v = self._values_of("v")
-        return p.astype(self.dtype) @ v[:, :, None]
-
-
-_SCORE_BYTES = 128 << 20
-
-
-def query_block(n_q_heads: int, keys: int) -> int:
-    """Queries attended together in a prefill chunk: their float32 scores over
-    `keys` positions stay within _SCORE_BYTES, at least 16, at most 512 (a block's
-    scores live in several temporaries at once: bench/RESULTS.md#turboquant-prefill)."""
-    return max(16, min(512, _SCORE_BYTES // (4 * n_q_heads * max(keys, 1))))
-
-
-# Prefill passes of this many queries or more take the fused form by default (CUDA);
-# shorter ones (prompt-lookup verify) would build a cuDNN plan per shape.
-FUSED_PREFILL_QUERIES = 64
-_FLASH_MASK: list = [None, None]  # (key, mask) of the last pass: every layer shares it
-
-
-def forget_prefill_mask() -> None:
-    """Let the last prefill's mask (L_q x context) go: decoding has begun."""
-    if _FLASH_MASK[0] is not None:
-        _FLASH_MASK[:] = [None, None]
-
-
-def _flash_mask(L_q: int, end: int, n_sink: int, n_tail: int, window: int, width: int, dtype) -> mx.array:
-    """The reading rule as an additive mask (1, 1, L_q, width) over the columns
-    [sinks and codes of positions 0 .. end - 1, exact tail end - n_tail .. end - 1,
-    padding]: query i reads j <= i from its exact copy when i - window < j and j is
-    past the sinks, from its codes (or sink) otherwise.
-
-    E.g. queries at 3 and 4 (L_q 2, end 5), no sinks, a tail of 3 (positions 2..4),
-    window 2, width 8 -> readable (1) columns, codes 0..4 | tail 2..4:
-        query 3: 1 1 0 0 0 | 1 1 0
-        query 4: 1 1 1 0 0 | 0 1 1
-    """
-    key = (L_q, end, n_sink, n_tail, window, width, dtype)
-    if _FLASH_MASK[0] == key:
-        return _FLASH_MASK[1]
-    q_pos = mx.arange(end - L_q, end)[:, None]
-    k_pos = mx.arange(end)[None]
-    t_pos = mx.arange(end - n_tail, end)[None]
-
-    def exact(j):
-        return (q_pos - j < window) & (q_pos >= j) & (j >= n_sink)
-
-    stored = (q_pos >= k_pos) & ~(exact(k_pos) & (k_pos >= end - n_tail))
-    padding = mx.zeros((L_q, width - end - n_tail), mx.bool_)
-    readable = mx.concatenate([stored, exact(t_pos), padding], axis=1)
-    bias = mx.where(readable, 0.0, -mx.inf).astype(dtype)[None, None]
-    # Kept for the next layer of the same pass (one entry: the last pass's).
-    _FLASH_MASK[:] = [key, bias]
-    return bias
-
-
-def _flash_attention(q, parts, end, window, scale):
-    """`_rotated_attention` as one mx.fast.scaled_dot_product_attention call: the
-    codes decoded to the model dtype (rotated domain, scales folded in), sinks and the
-    exact tail beside them, the reading rule as a mask. On CUDA that is cuDNN's fused
-    attention: no L_q x L float32 scores in memory, one kernel instead of dozens of ops
-    per block of queries (bench/RESULTS.md#turboquant-prefill). q rotated, not
-    scaled."""
-    sinks, coded, tail = parts
-    keys, values = [], []
-    for part in (sinks, coded.decoded() if coded is not None else None, tail):
-        if part is not None:
-            keys.append(part[0])
-            values.append(part[1])
-    n_sink = 0 if sinks is None else sinks[0].shape[2]
-    n_tail = 0 if tail is None else tail[0].shape[2]
-    # Whole 128-key tiles (padding never read): the fused kernel's plans are per
-    # shape, and tiles keep the bias rows aligned.
-    width = -(-(end + n_tail) // 128) * 128
-    if width > end + n_tail:
-        pad = (*keys[0].shape[:2], width - end - n_tail)
-        keys.append(mx.zeros((*pad, keys[0].shape[3]), keys[0].dtype))
-        values.append(mx.zeros((*pad, values[0].shape[3]), values[0].dtype))
-    bias = _flash_mask(q.shape[2], end, n_sink, n_tail, window, width, q.dtype)
-    return mx.fast.scaled_dot_product_attention(
-        q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), scale=scale, mask=bias
-    )
-
-
-def _rotated_attention(q, parts, end, window, mask):
-    """Attention of scaled, rotated queries q (B, Hq, L_q, d) at positions
-    end - L_q .. end - 1 over the cached positions (sinks, then codes, with the exact
-    tail overriding where a query's window reaches)."""
-    sinks, coded, tail = parts
-    B, n_q_heads, L_q, _ = q.shape
-    n_sink = 0 if sinks is None else sinks[0].shape[2]
-    n_kv_heads = sinks[0].shape[1] if sinks is not None else coded.n_kv_heads
-    q = q.reshape(B, n_kv_heads, n_q_heads // n_kv_heads, L_q, -1)
-
-    def keys_t(x):  # (B, Hkv, L, d) -> (B, Hkv, 1, d, L): shared by a group's heads
-        return x[:, :, None].swapaxes(-1, -2)
-
-    def grouped(x):  # (B, Hkv, L, d) -> (B, Hkv, 1, L, d)
-        return x[:, :, None]
-
-    scores = []
-    if sinks is not None:
-        scores.append((q @ keys_t(sinks[0])).astype(mx.float32))
-    if coded is not None:
-        scores.append(coded.scores(q))
-    scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-    total = scores.shape[-1]
-    q_pos = mx.arange(end - L_q, end)[:, None]
-    causal = q_pos >= mx.arange(total)[None]
-
-    exact = None
-    if tail is not None:
-        n = tail[0].shape[2]
-        t_pos = mx.arange(total - n, total)[None]
-        # Sink positions are exact already and served by the sink term below.
-        exact = (q_pos - t_pos < window) & (q_pos >= t_pos) & (t_pos >= n_sink)
-        t_scores = (q @ keys_t(tail[0])).astype(mx.float32)
-        last = mx.where(exact, t_scores, scores[..., total - n :])
-        scores = mx.concatenate([scores[..., : total - n], last], axis=-1)
-
-    if isinstance(mask, mx.array):
-        if mask.ndim > 3:
-            mask = mx.expand_dims(mask, -3)  # the group axis
-        if mask.dtype == mx.bool_:
-            causal = causal & mask
-        else:
-            scores = scores + mask
-    # None (a single query) and "causal" are both the causal mask at these positions.
-    scores = mx.where(causal, scores, -mx.inf)
-    p = mx.softmax(scores, axis=-1, precise=True)
-
-    out = None
-    if exact is not None:
-        p_last = p[..., total - n :]
-        out = mx.where(exact, p_last, 0).astype(q.dtype) @ grouped(tail[1])
-        p = mx.concatenate([p[..., : total - n], mx.where(exact, 0, p_last)], axis=-1)
-    if sinks is not None:
-        o = p[..., :n_sink].astype(q.dtype) @ grouped(sinks[1])
-        out = o if out is None else out + o
-    if coded is not None:
-        o = coded.values(p[..., n_sink:])
-        out = o if out is None else out + o
-    return out.reshape(B, n_q_heads, L_q, -1)
-
-

@@ -27,7 +27,8 @@ import mlx.core as mx
 from ..kernels.attention import TQ_ROWS_FUSED_STEP, TQ_ROWS_STEP, tq_rows_runs
 from ..kernels.turboquant import encode
 from ..turboquant.codec import codebook_arrays, dequantize, packed_words, rotation
-from .turboquant import CodedHistory, TurboQuantKVCache
+from .turboquant import TurboQuantKVCache
+from .turboquant_attention import CodedHistory
 
 
 @dataclass(frozen=True)
