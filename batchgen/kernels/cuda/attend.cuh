@@ -25,13 +25,7 @@
         for (int i = 0; i < PER; i++) s[u] += qr[i] * kx[i];
       }
     }
-    float mn = m;
-    #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      #pragma unroll
-      for (int o = LPC / 2; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
-      if (j0 + u * CPW + grp < stop) mn = fmaxf(mn, s[u]);
-    }
+    const float mn = lane_sums<UNROLL, LPC, CPW>(s, m, j0 + grp, stop);
     if (mn == -INFINITY) continue;  // none of this group's columns this round (the warp's last)
     const float corr = expf(m - mn);
     l *= corr;

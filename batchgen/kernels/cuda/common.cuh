@@ -37,6 +37,21 @@ __device__ __forceinline__ void ld8<__nv_bfloat16>(const __nv_bfloat16* p, float
 template <>
 __device__ __forceinline__ void ld8<__half>(const __half* p, float* x) { ld8_pairs<__half2>(p, x); }
 
+// The batch attention kernels' lane groups (lanes.cuh): each of a warp's CPW columns is
+// read by LPC lanes, UNROLL rounds of columns at a time. Sums each column's score over its
+// lanes (s, in place) and returns the running maximum m taken over the columns in range
+// (first, the group's first column this round: first + u * CPW < stop).
+template <int UNROLL, int LPC, int CPW>
+__device__ __forceinline__ float lane_sums(float* s, float m, int first, int stop) {
+  #pragma unroll
+  for (int u = 0; u < UNROLL; u++) {
+    #pragma unroll
+    for (int o = LPC / 2; o > 0; o >>= 1) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+    if (first + u * CPW < stop) m = fmaxf(m, s[u]);
+  }
+  return m;
+}
+
 // ---------------------------------------------------------------------------------------
 // TurboQuant's packed codes (turboquant/codec.py: pack_codes)
 
