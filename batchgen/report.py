@@ -97,7 +97,7 @@ def _num(v, default=0):
 def _native_row(obj: dict, n: int) -> Row | None:
     key = obj.get("id")
     err = obj.get("error")
-    if not isinstance(key, str) or not ("text" in obj or err is not None):
+    if not isinstance(key, str) or not ("text" in obj or "samples" in obj or err is not None):
         return None
     if err is not None:
         err = err if isinstance(err, dict) else {"message": str(err)}

@@ -20,11 +20,13 @@ so it learns when drafting starts to pay again.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from .logprobs import token_logprobs
 from .sampling import pick, target_logits
 
 # How far back a candidate's context is compared when ranking n-gram matches.
@@ -282,12 +284,17 @@ class PLDDecoder:
         pad_to: int | None,
         stream,
         pipeline: bool = True,
+        entries=None,
     ):
         self.model, self.cache, self.sampling, self.keys = model, cache, sampling, keys
         self.max_lookup = max_lookup
         self.stats, self.remaining, self.policy = stats, remaining, policy
         self.pad_to = pad_to
         self.stream = stream
+        # `logprobs.Entries` where the job asks for logprobs: each emitted token's
+        # from the raw logits of the pass (plain step or verify row) that produced it
+        self.entries = entries
+        self._step_logprobs: deque = deque()
         # prompt + generated; the last token is not in the cache yet
         self.index = NgramIndex(context, ngram_size)
         self.prompt_len = prompt_len
@@ -374,7 +381,22 @@ class PLDDecoder:
         t = self.generated + self._queued
         self._queued += 1
         self.stats.forward_passes += 1
-        return pick(logits, self.sampling, None if self.keys is None else self.keys[t])
+        token = pick(logits, self.sampling, None if self.keys is None else self.keys[t])
+        if self.entries is not None:
+            self._step_logprobs.append(token_logprobs(logits, token, self.entries.k))
+        return token
+
+    def _read_step(self, y: mx.array) -> int:
+        """A plain step's token read back (its logprobs with it, in queue order)."""
+        token = y.item()
+        if self.entries is not None:
+            self.entries.add_rows([token], self._step_logprobs.popleft())
+        return token
+
+    def _record_pass(self, p: "_Pass", out: list[int]) -> None:
+        """Logprobs of a verify pass's emitted tokens: row i of its logits for token i."""
+        if self.entries is not None:
+            self.entries.add_rows(out, token_logprobs(p.logits[: len(out)], mx.array(out), self.entries.k))
 
     def _plain_run(self) -> Iterator[int]:
         """Pipelined plain steps until a draft that pays is found (or the job ends).
@@ -389,7 +411,7 @@ class PLDDecoder:
         while True:
             nxt = self._step(cur)
             mx.async_eval(nxt)
-            token = cur.item()
+            token = self._read_step(cur)
             last_read = self._time_plain(last_read)
             self._queued -= 1
             self._score_shadow(token)
@@ -402,7 +424,7 @@ class PLDDecoder:
             cur = nxt
         # `nxt` is already running with `token` as input: finish it, so the
         # cache holds every emitted token but the last, as a draft step needs.
-        token = nxt.item()
+        token = self._read_step(nxt)
         self._queued -= 1
         self._score_shadow(token)
         self.index.extend((token,))
@@ -457,6 +479,7 @@ class PLDDecoder:
         self.policy.verify_pass_s.add(time.perf_counter() - start)
         self._record(n + 1, 1 + (p.saved is not None and n < len(draft)))  # a replay is a pass too
         out = draft[:n] + [bonus]
+        self._record_pass(p, out)
         self.index.extend(out)
         return out
 
@@ -483,6 +506,7 @@ class PLDDecoder:
                     c.trim(extra)
             self._record(n + 1, 1 + wasted)
             out = cur.draft[:n] + [bonus]
+            self._record_pass(cur, out)
             self.index.extend(out)
             if not hit:
                 if wasted:
@@ -562,13 +586,14 @@ def accept_sampled(logits: mx.array, draft: list[int], sampling, keys: mx.array,
 
 
 def pld_tokens(model, cache, context, prompt_len, sampling, keys, decode, stats, *, remaining, policy, pad_to,
-               stream) -> Iterator[int]:  # fmt: skip
+               stream, entries=None) -> Iterator[int]:  # fmt: skip
     """Tokens after `context` (the prompt and what was generated after its
-    first `prompt_len` tokens; the cache holds all of it but the last token)."""
+    first `prompt_len` tokens; the cache holds all of it but the last token).
+    `entries`: a `logprobs.Entries` to fill, where the job asks for logprobs."""
     stats.draft = "pld"
     decoder = PLDDecoder(
         model, cache, list(context), prompt_len, sampling, keys, decode.pld_ngram_size,
         decode.pld_max_lookup, stats, remaining, policy, pad_to, stream,
-        pipeline=decode.pld_pipeline,
+        pipeline=decode.pld_pipeline, entries=entries,
     )  # fmt: skip
     return iter(decoder)
