@@ -104,8 +104,8 @@ def test_openai_chat_and_completion_lines():
     [
         ('{"custom_id": "r", "method": "GET", "url": "/v1/completions", "body": {"prompt": "a"}}', "POST"),
         ('{"custom_id": "r", "method": "POST", "url": "/v1/embeddings", "body": {}}', "url"),
-        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}}', "body.logprobs"),
-        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 2}}', "body.n"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "echo": true}}', "body.echo"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 0}}', "'n'"),
         ('{"custom_id": "r", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}', "body.messages"),
         ('{"prompt": "a"}', "native job"),
     ],

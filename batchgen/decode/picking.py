@@ -127,8 +127,8 @@ class RowPicking:
     def __init__(self, rows: int, vocab: int, grammars=None):
         self.rows, self.vocab = rows, vocab
         self.state = LogitsState(rows, vocab)
-        self.grammars = grammars
-        self.masks = grammars.masks(rows) if grammars is not None else None
+        self.grammars = grammars  # the engine's `Grammars`, set by the first row with a schema
+        self.masks: np.ndarray | None = None
 
     def select(self, keep: list[int]) -> None:
         """Keep these rows only (the batch shrank)."""
@@ -137,33 +137,32 @@ class RowPicking:
         if self.masks is not None:
             self.masks = np.ascontiguousarray(self.masks[keep])
 
-    def finish(self, rows: list, tokens: mx.array, logits: mx.array, valid: list[bool]) -> tuple[mx.array, tuple | None]:
-        """(tokens (B,), logprob arrays or None) of a step over `rows` (its
-        rows at queue time; each row's `job`, `keys`, `queued`, `matcher`):
-        greedy `tokens` for rows that need no logits, the rest picked from
-        their processed (and masked) logits. `valid`: the rows whose token is
-        still theirs (a row placed since the step was queued is not)."""
-        live = [(i, r) for i, r in enumerate(rows) if r is not None and not r.done]
-        needs = [(i, r) for i, r in live if r.job.needs_logits]
+    def finish(self, rows: list, tokens: mx.array, logits: mx.array, valid: list[bool], t: list[int]) -> tuple:
+        """(tokens (B,), `token_logprobs` arrays or None) of a step over `rows`
+        (its rows at queue time): the greedy `tokens` for rows that need no
+        logits, the others' picked from their processed and masked logits, a
+        sampling row's with its key for token `t[i]`. `valid`: rows whose slot
+        is still theirs (a row placed since the step was queued is not)."""
+        needs = [(i, r) for i, r in enumerate(rows) if r is not None and valid[i] and not r.done and r.job.needs_logits]
         if not needs:
             return tokens, None
         x = self.state.apply(logits) if self.state.active else logits
-        constrained = [(r.matcher, i) for i, r in needs if r.matcher is not None]
+        constrained = [(r.picker.matcher, i) for i, r in needs if r.picker is not None and r.picker.matcher is not None]
         if constrained:
-            self.masks[:] = -1
+            if self.masks is None:
+                self.masks = self.grammars.masks(self.rows)
+            self.masks.fill(-1)
             self.grammars.fill(constrained, self.masks)
             x = apply_masks(x, self.masks)
         B = tokens.shape[0]
-        processed_rows = [i for i, r in needs if r.job.sampling.greedy and (r.matcher is not None or r.job.logits.active)]
-        if processed_rows:
-            on = mx.array([i in processed_rows for i in range(B)])
+        argmax_rows = {i for i, r in needs if r.job.sampling.greedy and r.picker is not None and r.picker.stateful}
+        if argmax_rows:
+            on = mx.array([i in argmax_rows for i in range(B)])
             tokens = mx.where(on, mx.argmax(x, axis=-1).astype(tokens.dtype), tokens)
         for i, r in needs:
             if not r.job.sampling.greedy:
-                key = r.keys[min(r.queued, r.keys.shape[0] - 1)]
+                key = r.keys[min(t[i], r.keys.shape[0] - 1)]
                 tokens = mx.where(mx.arange(B) == i, pick(x[i : i + 1], r.job.sampling, key).astype(tokens.dtype), tokens)
-        if self.state.active:
-            self.state.push(tokens, valid)
+        self.state.push(tokens, valid)
         k = max((r.job.top_logprobs for _, r in needs if r.job.logprobs), default=-1)
-        lp = token_logprobs(logits, tokens, k) if k >= 0 else None
-        return tokens, lp
+        return tokens, (token_logprobs(logits, tokens, k) if k >= 0 else None)

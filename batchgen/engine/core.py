@@ -355,7 +355,9 @@ class Engine:
             if ok:
                 log.info(f"batched decoding: up to {rows} jobs per step")
                 self.batch_report = {"rows": rows}
-                yield from BatchScheduler(self, rows, self.kv_budget_bytes).run(items)
+                parents: dict = {}
+                results = BatchScheduler(self, rows, self.kv_budget_bytes).run(_split_samples(items, parents))
+                yield from _merged_samples(results, parents)
                 return
             log.info(f"batched decoding off: {why}; jobs run one at a time")
         for item in items:
@@ -551,4 +553,28 @@ class Engine:
             return picked_tokens(self.model, cache, context[-1], picker, stats)
         return plain_tokens(self.model, cache, context[-1], job.sampling, keys, stats)
 
+
+def _split_samples(items: Iterable[Job | BadJob], parents: dict) -> Iterator[Job | BadJob]:
+    """A job of n samples as n rows of one (`sample_jobs`): in the batch their
+    identical prompts enter together and are prefilled once (`start_prompts`
+    copies a repeated prompt's cache). `parents`: id -> [job, results so far]."""
+    for item in items:
+        if isinstance(item, Job) and item.n > 1:
+            parents[item.id] = [item, []]
+            yield from sample_jobs(item)
+        else:
+            yield item
+
+
+def _merged_samples(results: Iterable[Result], parents: dict) -> Iterator[Result]:
+    """Results as they come, a job of n samples once its last sample is in (`merged_result`)."""
+    for r in results:
+        group = parents.get(r.id)
+        if group is None:
+            yield r
+            continue
+        group[1].append(r)
+        if len(group[1]) == group[0].n:
+            del parents[r.id]
+            yield merged_result(group[0], group[1])
 
