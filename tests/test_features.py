@@ -221,3 +221,76 @@ def test_penalties_change_the_text_and_a_batch_equals_one_at_a_time(demo):
     batched = {r.id: r.text for r in demo(8).run_all(jobs)}
     assert batched == alone
     assert all(alone[f"p{i}"] != alone["free"] for i in (1, 2, 3))
+
+
+# ---------------------------------------------------------------------------
+# files end to end: the OpenAI client's models parse every body; resume
+
+
+def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path):
+    """A batch file for dataset generation run through `batchgen run`: n
+    choices, logprobs, schema output and penalties; every body parses with the
+    openai client's ChatCompletion / Completion; a second run resumes (one
+    line per custom_id, nothing written again)."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    from test_cli import invoke, read_lines, write_jobs
+
+    schema = SCHEMAS["enums"]
+    msgs = [{"role": "user", "content": "Pick a colour and a size."}]
+    chat = lambda body: {"custom_id": body.pop("id"), "method": "POST", "url": "/v1/chat/completions",  # noqa: E731
+                         "body": {"model": "demo", "messages": msgs, "max_tokens": 40, **body}}
+    lines = [
+        chat({"id": "schema-n2", "n": 2, "temperature": 0.9, "seed": 1, "logprobs": True, "top_logprobs": 3,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}}),
+        chat({"id": "penalized", "presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {"30": -100}}),
+        {"custom_id": "legacy", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "demo", "prompt": "def add(a, b):", "max_tokens": 6, "logprobs": 2, "n": 2}},
+        chat({"id": "tools", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ]  # fmt: skip
+    jobs = write_jobs(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = ("run", str(jobs), "-o", str(out), "--dtype", "float32", "--batch-size", "4", "-q")
+    r = invoke(*args)
+    assert r.exit_code == 1, r.stderr
+    got = {l["custom_id"]: l for l in read_lines(out)}
+    body = ChatCompletion.model_validate(got["schema-n2"]["response"]["body"])
+    assert [c.index for c in body.choices] == [0, 1]
+    for c in body.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
+        tokens = c.logprobs.content
+        assert "".join(t.token for t in tokens) == c.message.content
+        assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in tokens)
+    assert body.usage.completion_tokens == sum(len(c.logprobs.content) + 1 for c in body.choices)  # each ends at EOS
+    pen = ChatCompletion.model_validate(got["penalized"]["response"]["body"])
+    assert pen.choices[0].logprobs is None and pen.usage.completion_tokens > 0
+    legacy = Completion.model_validate(got["legacy"]["response"]["body"])
+    assert len(legacy.choices) == 2 and legacy.usage.completion_tokens == 12
+    for c in legacy.choices:
+        lp = c.logprobs
+        assert "".join(lp.tokens) == c.text and len(lp.token_logprobs) == 6 and all(len(t) == 2 for t in lp.top_logprobs)
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    assert got["tools"]["error"] == {"code": "unsupported", "message": "'body.tools' is not supported by batchgen", "line": 4}
+    before = out.read_bytes()
+    r = invoke(*args)
+    assert r.exit_code == 1 and out.read_bytes() == before
+
+
+def test_native_samples_line_resumes(tmp_path):
+    from test_cli import invoke, read_lines, write_jobs
+
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [
+        {"id": "a", "prompt": "def f(", "n": 3, "temperature": 1.0, "seed": 5, "max_tokens": 4, "logprobs": True},
+        {"id": "b", "prompt": "import", "max_tokens": 3},
+    ])  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    assert invoke("run", str(jobs), "-o", str(out), "--dtype", "float32", "-q").exit_code == 0
+    a, b = read_lines(out)
+    assert set(a) == {"id", "samples", "usage", "stats", "metadata", "error"} and "text" in b
+    assert [s["index"] for s in a["samples"]] == [0, 1, 2]
+    assert all(set(s) == {"index", "text", "finish_reason", "completion_tokens", "logprobs"} for s in a["samples"])
+    assert a["usage"]["completion_tokens"] == sum(s["completion_tokens"] for s in a["samples"])
+    before = out.read_bytes()
+    r = invoke("run", str(jobs), "-o", str(out), "--dtype", "float32")
+    assert r.exit_code == 0 and "2 jobs already have results" in r.stderr and out.read_bytes() == before
