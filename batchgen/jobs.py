@@ -572,6 +572,7 @@ class ScanReport:
     common_system: str | None = None
     common_system_jobs: int = 0
     ids: set = field(default_factory=set)  # every job's id (bad lines: their fallback id)
+    extra_samples: int = 0  # sum of n - 1 over the valid jobs: batch rows beyond one per job
 
 
 def _file_format(path: Path, header_line: int | None) -> str:
@@ -627,6 +628,7 @@ def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None) -> tup
             if on_bad is not None:
                 on_bad(item)
             continue
+        report.extra_samples += item.n - 1
         system = _system_of(item)
         if system:
             digest = hashlib.sha1(system.encode()).digest()

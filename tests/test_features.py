@@ -223,6 +223,22 @@ def test_penalties_change_the_text_and_a_batch_equals_one_at_a_time(demo):
     assert all(alone[f"p{i}"] != alone["free"] for i in (1, 2, 3))
 
 
+def test_pld_verifies_drafts_through_grammar_and_penalties_and_equals_plain(demo):
+    """One at a time under PLD, a verify pass's rows are processed and masked as
+    if the draft before them were generated: the greedy text is plain
+    decoding's (float32), with drafts verified and accepted."""
+    code = {"type": "object", "properties": {"code": {"type": "string", "maxLength": 60}},
+            "required": ["code"], "additionalProperties": False}  # fmt: skip
+    jobs = [job(EDIT, "pen", max_tokens=30, logits=LogitsConfig(frequency_penalty=0.3, repetition_penalty=1.1, logit_bias=((30, -2.0),))),
+            job(EDIT, "json", max_tokens=60, json_schema=json.dumps(code))]  # fmt: skip
+    plain = {r.id: r for r in demo(1, "none").run_all(jobs)}
+    pld = {r.id: r for r in demo(1, "pld").run_all(jobs)}
+    for i in ("pen", "json"):
+        assert pld[i].text == plain[i].text, i
+        assert pld[i].stats.draft == "pld" and pld[i].stats.pld_accepted > 0, i
+    jsonschema.validate(json.loads(pld["json"].text), code)
+
+
 # ---------------------------------------------------------------------------
 # files end to end: the OpenAI client's models parse every body; resume
 

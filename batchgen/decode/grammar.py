@@ -10,10 +10,11 @@ schema in ~1 ms (outlines-core: 0.2-1.3 s a schema, which a file of per-job
 schemas would pay per job), and it is one abi3 wheel with no dependencies,
 which carries to a machine without a package index (xgrammar needs torch,
 triton and transformers). Its masks cost more per row-token than xgrammar's
-(80 against 51 us at a 100k vocabulary on a 2-core CPU, 2026-12-03); the
-scheduler computes them while the GPU runs the step, and `LLExecutor` spreads
-a batch's rows over the host's cores. A measured loss at the H200 bench's
-JSON rows (below 0.85x of free rows) would reopen the choice.
+(87 against 35 us at a 100k vocabulary, 35 against 2 us at the demo's 4k, on
+a 2-core CPU, 2026-12-03): the scheduler makes them while the GPU runs the
+step they are for, and `LLExecutor` spreads a batch's rows over the host's
+cores. JSON rows measured below 0.85x of free rows on the H200 bench
+(`batchgen bench --features`) would reopen the choice.
 
 Optional: `pip install 'batchgen[grammar]'`; without it a job that asks for a
 schema gets one error line saying so, and everything else runs.
@@ -95,6 +96,13 @@ class Grammars:
                 out[i] = 0
                 for t in self.eos:
                     out[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+
+    def consume(self, pairs: list) -> None:
+        """Each (matcher, token) pair's matcher takes its token, in parallel over
+        the host's cores; a finished matcher (the JSON closed) takes nothing more."""
+        pairs = [(m, t) for m, t in pairs if not m.is_stopped()]
+        if pairs:
+            self.executor.consume_token_par(pairs)
 
     def masks(self, rows: int) -> np.ndarray:
         """A host buffer for `rows` masks, every token allowed."""

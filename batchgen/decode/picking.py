@@ -61,12 +61,29 @@ class SamplePicker:
         """Whether picking depends on the tokens so far (not only logprobs)."""
         return self.matcher is not None or self.job.logits.active
 
+    def process(self, logits: mx.array, draft: list[int] = ()) -> mx.array:
+        """Logits (len(draft) + 1, vocab) after the processors and the grammar
+        mask, row i as if draft[:i] had been generated (a verify pass's rows).
+        The matcher walks the draft as far as the grammar allows it (a row
+        past a disallowed draft token is never read: acceptance stops there)
+        and is put back where it was."""
+        x = processed(logits, self.job.logits, self.context, self.generated, draft)
+        if self.matcher is None:
+            return x
+        draft = list(draft)[: logits.shape[0] - 1]
+        masks = self.mask if not draft else self.grammars.masks(len(draft) + 1)
+        self.grammars.fill([(self.matcher, 0)], masks)
+        walk = self.matcher.validate_tokens(draft) if draft else 0
+        for i in range(walk):
+            self.matcher.consume_token(draft[i])
+            self.grammars.fill([(self.matcher, i + 1)], masks)
+        if walk:
+            self.matcher.rollback(walk)
+        return apply_masks(x, masks)
+
     def pick(self, logits: mx.array, t: int) -> tuple[mx.array, tuple | None]:
         """Token t (1,) from logits (1, vocab), and its logprob arrays; lazy."""
-        x = processed(logits, self.job.logits, self.context, self.generated)
-        if self.matcher is not None:
-            self.grammars.fill([(self.matcher, 0)], self.mask)
-            x = apply_masks(x, self.mask)
+        x = self.process(logits)
         s = self.job.sampling
         token = pick(x, s, None if s.greedy else self.keys[t])
         lp = token_logprobs(logits, token, self.job.top_logprobs) if self.entries is not None else None

@@ -75,22 +75,31 @@ def check_bias(cfg: LogitsConfig, vocab: int) -> None:
         raise ValueError(f"logit_bias token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
 
 
-def processed(logits: mx.array, cfg: LogitsConfig, context: Sequence[int], generated: Sequence[int]) -> mx.array:
-    """One job's logits (rows, vocab) after its processors; `context`: prompt and
-    output so far (the repetition window), `generated`: the output alone.
-    Every row gets the same state (rows: one position, or a draft's copies)."""
+def processed(logits: mx.array, cfg: LogitsConfig, context: Sequence[int], generated: Sequence[int],
+              draft: Sequence[int] = ()) -> mx.array:  # fmt: skip
+    """One job's logits after its processors; `context`: prompt and output so
+    far (the repetition window), `generated`: the output alone. Row i of
+    `logits` (len(draft) + 1 rows: a verify pass's positions) is processed as
+    if draft[:i] had been generated too."""
     if not cfg.active:
         return logits
-    vocab = logits.shape[-1]
+    rows, vocab = logits.shape[0], logits.shape[-1]
+    draft = list(draft)[: rows - 1]
     out = logits.astype(mx.float32)
     if cfg.logit_bias:
         out = out + bias_row(cfg.logit_bias, vocab)
     if cfg.repetition_penalty != 1.0:
-        window = mx.array([repetition_window(context, cfg.repetition_context_size)] * out.shape[0])
-        out = apply_repetition(out, window, mx.full((out.shape[0], 1), cfg.repetition_penalty))
-    if (cfg.presence_penalty or cfg.frequency_penalty) and generated:
-        counts = mx.zeros((vocab,), mx.float32).at[mx.array(list(generated))].add(1.0)
-        out = apply_counts(out, counts[None], mx.array([[cfg.presence_penalty]]), mx.array([[cfg.frequency_penalty]]))
+        size = cfg.repetition_context_size
+        window = mx.array([repetition_window(list(context) + draft[:i], size) for i in range(rows)])
+        out = apply_repetition(out, window, mx.full((rows, 1), cfg.repetition_penalty))
+    if cfg.presence_penalty or cfg.frequency_penalty:
+        seen = [list(generated) + draft[:i] for i in range(rows)]
+        if any(seen):
+            where = [(i, t) for i, ids in enumerate(seen) for t in ids]
+            rows_ids, token_ids = zip(*where)
+            counts = mx.zeros((rows, vocab), mx.float32).at[mx.array(rows_ids), mx.array(token_ids)].add(1.0)
+            presence, frequency = mx.array([[cfg.presence_penalty]]), mx.array([[cfg.frequency_penalty]])
+            out = apply_counts(out, counts, presence, frequency)
     return out
 
 

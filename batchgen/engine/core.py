@@ -345,7 +345,8 @@ class Engine:
 
     def run_all(self, items: Iterable[Job | BadJob], total: int | None = None) -> Iterator[Result]:
         """Results in completion order (sequential: job order). `total`, the
-        number of jobs coming, caps the batch size."""
+        number of rows the jobs coming take (a job of n samples takes n),
+        caps the batch size."""
         rows = self.resolve_batch_size(total)
         self.batch_report = {"rows": 1}
         if rows > 1:
@@ -533,13 +534,8 @@ class Engine:
 
     def _decoder(self, plan: JobPlan, cache, context, job: Job, keys, stats, text, picker=None) -> Iterator[int]:
         """Tokens after the first: `context` is the prompt plus the first token,
-        which the cache does not hold yet. A job whose picking depends on its
-        tokens so far (a grammar, penalties, a bias: `SamplePicker.stateful`)
-        decodes plainly: its drafts are not verified."""
+        which the cache does not hold yet."""
         d = plan.decode
-        if picker is not None and picker.stateful:
-            stats.draft = "none"
-            return picked_tokens(self.model, cache, context[-1], picker, stats)
         if d.draft == "pld" and d.pld_max_lookup > 0:
             # Static verify shapes where a pass costs the same for 2..K+1 tokens
             # (a GPU); on a CPU a pass costs in proportion to its tokens.
@@ -548,6 +544,7 @@ class Engine:
                 self.model, cache, context, len(context) - 1, job.sampling, keys, d, stats,
                 remaining=lambda: text.remaining, policy=self.draft_policy,
                 pad_to=pad_to, stream=generation_stream, entries=None if picker is None else picker.entries,
+                picker=picker if picker is not None and picker.stateful else None,
             )  # fmt: skip
         if picker is not None:
             return picked_tokens(self.model, cache, context[-1], picker, stats)

@@ -160,12 +160,13 @@ class Row:
     done: bool = False
     picker: SamplePicker | None = None  # where its tokens need more than the raw logits (`wants_picker`)
 
-    def add(self, token: int, logprobs: tuple | None = None) -> bool:
+    def add(self, token: int, logprobs: tuple | None = None, consume: bool = True) -> bool:
         """Hand the job a generated token (and, where it asked, its logprob, its
-        top ids and logprobs); True once it is finished."""
+        top ids and logprobs); True once it is finished. `consume`: its grammar
+        matcher takes the token here (False: the step's matchers took theirs together)."""
         p = self.picker
         if p is not None:
-            if p.matcher is not None and not p.matcher.is_stopped():
+            if consume and p.matcher is not None and not p.matcher.is_stopped():
                 p.matcher.consume_token(token)
             if p.entries is not None and logprobs is not None:
                 p.entries.add(token, *logprobs)
@@ -479,13 +480,16 @@ class BatchScheduler:
         """Hand each live row its token; return the jobs that finished."""
         values = step.tokens.tolist()
         lp = [None if a is None else a.tolist() for a in step.logprobs] if step.logprobs else None
+        live = [(i, r) for i, r in enumerate(step.rows) if r is not None and not r.done and step.step >= r.live_from_step]
+        matched = [(r.picker.matcher, values[i]) for i, r in live if r.picker is not None and r.picker.matcher is not None]
+        if matched:
+            self.engine.grammars.consume(matched)
         done = []
-        for i, row in enumerate(step.rows):
-            if row is None or row.done or step.step < row.live_from_step:
-                continue
+        for i, row in live:
             if row.first_token_s is None:
                 row.first_token_s = row.timer.elapsed_s
-            if row.add(values[i], None if lp is None else (lp[0][i], *(None if a is None else a[i] for a in lp[1:]))):
+            row_lp = None if lp is None else (lp[0][i], *(None if a is None else a[i] for a in lp[1:]))
+            if row.add(values[i], row_lp, consume=False):
                 row.done = True
                 done.append(self._finish(row))
                 self._free(self.rows.index(row))
