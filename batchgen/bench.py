@@ -418,8 +418,6 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
     rows (a run cut short keeps the sizes it finished)."""
     from mlx_lm.generate import batch_generate
 
-    from .engine.core import device_name
-
     plain_model, tokenizer, engine, config = load_pair(cfg)
     base, _ = bench_jobs(cfg, tokenizer)
     jobs = _repeat_jobs(base, n_jobs)
@@ -446,17 +444,9 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
         return time.perf_counter() - start, r.texts, tokens, mx.get_peak_memory() / 1e9
 
     rows: list = []
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
-        "dtype": weights_dtype(engine.model),
-        "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic", "rows": rows,
-    }  # fmt: skip
+    result = {**_result_head(cfg, engine), "rows": rows}
     for size in batch_sizes:
-        b = size
-        if size == "auto":
-            engine.config = replace(engine.config, batch_size="auto")
-            b = engine.resolve_batch_size(len(jobs))
+        b = _resolved_rows(engine, size, len(jobs))
         n = len(jobs) if b > 1 else min(sequential_jobs, len(jobs))
         kinds = drafts or [cfg.engine.decode.draft]
         plain(b, min(b, n))  # warm-up at this batch size, both sides
@@ -477,6 +467,25 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
         if on_rows is not None:
             on_rows(result)
     return result
+
+
+def _result_head(cfg: BenchConfig, engine: Engine) -> dict:
+    """What a throughput result starts with: when, where, which model and jobs."""
+    from .engine.core import device_name
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
+        "dtype": weights_dtype(engine.model), "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic",
+    }  # fmt: skip
+
+
+def _resolved_rows(engine: Engine, size, jobs: int) -> int:
+    """A batch size as given, or "auto" as the engine sizes it for `jobs` jobs."""
+    if size != "auto":
+        return size
+    engine.config = replace(engine.config, batch_size="auto")
+    return engine.resolve_batch_size(jobs)
 
 
 def _over_sequential(rows: list) -> None:
@@ -616,8 +625,6 @@ def run_features(cfg: BenchConfig, batch_sizes: list, n_jobs: int = 256, n_promp
       and prompt tokens prefilled; target >= 3x), at the last batch size.
 
     `on_result(result)`: called after each part (a run cut short keeps them)."""
-    from .engine.core import device_name
-
     _, tokenizer, engine, _ = load_pair(cfg, plain=False)
     base, _ = bench_jobs(cfg, tokenizer)
     jobs = _repeat_jobs(base, n_jobs)
@@ -627,17 +634,9 @@ def run_features(cfg: BenchConfig, batch_sizes: list, n_jobs: int = 256, n_promp
         "json_schema": [replace(j, json_schema=schema) for j in jobs],
         "logprobs": [replace(j, logprobs=True, top_logprobs=5) for j in jobs],
     }
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
-        "dtype": weights_dtype(engine.model), "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic",
-        "schema": FEATURE_SCHEMA, "structured_and_logprobs": [], "samples": None,
-    }  # fmt: skip
+    result = {**_result_head(cfg, engine), "schema": FEATURE_SCHEMA, "structured_and_logprobs": [], "samples": None}
     for size in batch_sizes:
-        rows = size
-        if size == "auto":
-            engine.config = replace(engine.config, batch_size="auto")
-            rows = engine.resolve_batch_size(len(jobs))
+        rows = _resolved_rows(engine, size, len(jobs))
         _timed_run(engine, jobs[: min(rows, len(jobs))], rows)  # warm-up: the step's recording at this size
         _timed_run(engine, variants["json_schema"][: min(rows, len(jobs))], rows)
         runs = _median_run(engine, variants, rows, repeats)

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's batchgen, run from anywhere
 
 # The schemas the rows follow (those of tests/test_structured.py, and a wider one).
 SCHEMAS = [
@@ -153,7 +154,9 @@ def trained_tokenizer(vocab: int, cache: Path):
 
 def token_bytes(hf) -> list[bytes]:
     """Each id's bytes (byte-level BPE: the GPT-2 byte-to-unicode map undone)."""
-    undo = {c: b for b, c in _bytes_to_unicode().items()}
+    from batchgen.decode.logprobs import bytes_to_unicode
+
+    undo = {c: b for b, c in bytes_to_unicode().items()}
     out = []
     for piece in hf.convert_ids_to_tokens(list(range(len(hf)))):
         if piece in hf.all_special_tokens:
@@ -161,19 +164,6 @@ def token_bytes(hf) -> list[bytes]:
         else:
             out.append(bytes(undo[c] for c in piece))
     return out
-
-
-def _bytes_to_unicode() -> dict:
-    """GPT-2's byte -> printable character map, as byte-level BPE vocabularies spell bytes."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 # ---------------------------------------------------------------------------
