@@ -117,6 +117,8 @@ def apply_masks(logits: mx.array, masks: np.ndarray) -> mx.array:
     [[0.0, -inf, 0.0], [0.0, 0.0, 0.0]]
     """
     vocab = logits.shape[-1]
+    if masks.shape[1] * 32 < vocab:  # logits wider than the tokenizer's words: the rest never allowed
+        masks = np.pad(masks, [(0, 0), (0, -(-vocab // 32) - masks.shape[1])])
     ids = mx.arange(vocab, dtype=mx.uint32)
     words = mx.take(mx.array(masks.view(np.uint32)), ids // 32, axis=1)  # (rows, vocab)
     allowed = ((words >> (ids % 32)) & 1).astype(mx.bool_)

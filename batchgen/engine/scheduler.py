@@ -159,6 +159,7 @@ class Row:
     first_token_s: float | None = None
     done: bool = False
     picker: SamplePicker | None = None  # where its tokens need more than the raw logits (`wants_picker`)
+    needs_logits: bool = False  # `Job.needs_logits`, read every step
 
     def add(self, token: int, logprobs: tuple | None = None, consume: bool = True) -> bool:
         """Hand the job a generated token (and, where it asked, its logprob, its
@@ -276,7 +277,7 @@ class BatchScheduler:
             self.picking.grammars = e.grammars
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
         stats = JobStats(draft="none", kv_cache=self.kv.kind, max_tokens_capped_from=capped_from)
-        return Row(job, tokens, 0, text, keys, stats, timer, queued=1, picker=picker)
+        return Row(job, tokens, 0, text, keys, stats, timer, queued=1, picker=picker, needs_logits=job.needs_logits)
 
     def _start(self, rows: list[Row]) -> tuple[list[Row], list[Result]]:
         """Prefill entering rows (together where they share a cached prefix) and
@@ -428,7 +429,7 @@ class BatchScheduler:
 
     def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
         """(greedy tokens, logits or None where no row needs them) of one step."""
-        sample = any(r is not None and r.job.needs_logits for r in self.rows)
+        sample = any(r is not None and r.needs_logits for r in self.rows)
         if self.compiled:
             try:
                 # the first step is evaluated at once: a kernel that fails to build fails here
