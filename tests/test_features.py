@@ -80,17 +80,21 @@ def check_constrained(results):
         jsonschema.validate(json.loads(r.text), schema)
 
 
-def test_constrained_output_validates_alone(demo):
-    e = demo(1)
-    check_constrained({r.id: r for r in e.run_all(constrained_jobs())})
+@pytest.fixture(scope="module")
+def mixed(demo):
+    """The four schema jobs and three free ones, and their results one at a time."""
+    batch = constrained_jobs() + [job(t, f"f{i}", max_tokens=16) for i, t in enumerate(FREE)]
+    return batch, {r.id: r for r in demo(1).run_all(batch)}
 
 
-def test_constrained_rows_share_a_batch_with_free_rows(demo):
+def test_constrained_output_validates_alone(mixed):
+    check_constrained(mixed[1])
+
+
+def test_constrained_rows_share_a_batch_with_free_rows(demo, mixed):
     """Four schemas and three free rows in one batch of 8: every JSON validates,
     and every text equals the same job's run alone (float32)."""
-    free = [job(t, f"f{i}", max_tokens=16) for i, t in enumerate(FREE)]
-    batch = constrained_jobs() + free
-    alone = {r.id: r for r in demo(1).run_all(batch)}
+    batch, alone = mixed
     got = {r.id: r for r in demo(8).run_all(batch)}
     check_constrained(got)
     assert {i: r.text for i, r in got.items()} == {i: r.text for i, r in alone.items()}
@@ -173,7 +177,7 @@ def plain_logprobs(model, prompt: list[int], tokens: list[int]) -> list[np.ndarr
     return out
 
 
-@pytest.mark.parametrize("draft,batch_size", [("none", 1), ("pld", 1), ("none", 4)])
+@pytest.mark.parametrize("draft,batch_size", [("none", 1), ("pld", 1), pytest.param("none", 4, marks=pytest.mark.slow)])
 def test_logprobs_are_plain_decodings_log_softmax(demo, draft, batch_size):
     """Every token's logprob and top-5 against log_softmax of plain decoding's
     logits at its position, within 2e-5 (float32; a verify pass or a batch
@@ -206,6 +210,7 @@ def test_bias_forces_a_token(demo):
     assert r.token_ids == [token] * 5
 
 
+@pytest.mark.slow  # the fast suite has it on a tiny model: test_every_feature_batched_equals_one_at_a_time
 def test_penalties_change_the_text_and_a_batch_equals_one_at_a_time(demo):
     """Penalized rows of every kind, greedy and sampled, batched beside a free
     row: the texts of one at a time (float32). The demo model copies this edit
@@ -310,3 +315,55 @@ def test_native_samples_line_resumes(tmp_path):
     before = out.read_bytes()
     r = invoke("run", str(jobs), "-o", str(out), "--dtype", "float32")
     assert r.exit_code == 0 and "2 jobs already have results" in r.stderr and out.read_bytes() == before
+
+
+# ---------------------------------------------------------------------------
+# the matrices: every architecture, TurboQuant's batch (slow beyond the first)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_every_feature_batched_equals_one_at_a_time(model_dir, arch):
+    """Penalties, bias, logprobs, a schema and n samples in one batch of a tiny
+    model of each architecture: texts and logprobs as one at a time (float32)."""
+    from test_batch import engine
+
+    from tiny import CORPUS
+
+    path = model_dir(arch)
+    jobs = [job(CORPUS[0], "pen", max_tokens=12, logits=LogitsConfig(presence_penalty=1.0, repetition_penalty=1.3)),
+            job(CORPUS[1], "bias", max_tokens=8, logits=LogitsConfig(logit_bias=((5, 3.0),), frequency_penalty=0.5)),
+            job(CORPUS[2], "lp", max_tokens=8, logprobs=True, top_logprobs=3),
+            job(CORPUS[3], "json", max_tokens=24, json_schema=json.dumps(SCHEMAS["enums"])),
+            job(CORPUS[4], "n", max_tokens=6, n=3, sampling=SamplingConfig(temperature=1.0, seed=11), logprobs=True)]  # fmt: skip
+
+    def run(e):
+        out = {}
+        for r in e.run_all(jobs):
+            assert r.ok, r.error
+            for s in r.samples or [r]:
+                out[(r.id, len(out))] = (s.text, s.logprobs)
+        return sorted(out.values(), key=str)
+
+    alone, batched = run(engine(path, 1)), run(engine(path, 8))
+    assert [t for t, _ in batched] == [t for t, _ in alone]
+    for (_, a), (_, b) in zip(alone, batched):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert [e["token"] for e in a] == [e["token"] for e in b]
+            assert [e["logprob"] for e in b] == pytest.approx([e["logprob"] for e in a], abs=2e-5)
+
+
+@pytest.mark.slow
+def test_turboquant_batch_takes_every_feature(demo):
+    """The batch over TurboQuant codes: schemas validate, samples and logprobs come back."""
+    from batchgen.config import KVConfig
+
+    cfg = EngineConfig(model=str(DEMO_MODEL_DIR), dtype="float32", batch_size=8, kv=KVConfig(kind="turboquant"),
+                       decode=DecodeConfig(draft="none"))  # fmt: skip
+    e = Engine.load(cfg)
+    jobs = constrained_jobs() + [job(FREE[0], "n", max_tokens=8, n=3, logprobs=True, top_logprobs=2,
+                                     sampling=SamplingConfig(temperature=0.7, seed=2))]  # fmt: skip
+    got = {r.id: r for r in e.run_all(jobs)}
+    check_constrained(got)
+    assert all(s.completion_tokens - 1 <= len(s.logprobs) <= s.completion_tokens for s in got["n"].samples)
+    assert len(got["n"].samples) == 3
