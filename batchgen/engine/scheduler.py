@@ -25,6 +25,17 @@ stream: per-step overhead, not bandwidth. Here the batch keeps B fixed rows:
 - the next step is queued before the current tokens are read back, and the
   tokens of all rows come back in one transfer.
 
+A step of greedy rows returns its B tokens from the compiled step and nothing
+else. Rows that need the logits (sampling, a JSON schema, penalties or a bias,
+logprobs: `Job.needs_logits`) get them from the same step and pick outside it
+(`picking.RowPicking`): penalties as device-side state updated with each
+step's tokens, logprobs from the raw logits, read back with the tokens. A
+grammar row's mask needs its previous token: such a step is queued without
+its pick, the previous step is read back and the matchers take their tokens,
+then the masks are made on the host (over its cores) while the GPU runs the
+queued forward pass, and the pick is queued behind it. A job of n samples is
+n rows of one prompt, prefilled once, merged into one result as the last ends.
+
 Batched rows decode plainly. A verify pass over every row's drafts (prompt
 lookup in the batch) was measured at 0.60-0.99x of plain batched rows on an
 H200 (bench/RESULTS.md): a step of B rows already reads the weights once for
