@@ -36,14 +36,6 @@ INSTALL_HINT = "pip install 'batchgen[grammar]' (llguidance)"
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def available() -> bool:
-    try:
-        import llguidance  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class Grammars:
     """Compiles jobs' JSON schemas for one tokenizer and model vocabulary (the
     logits' width, which may exceed the tokenizer's: ids past it are never
