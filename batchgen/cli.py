@@ -272,11 +272,16 @@ def report(output, summary_path, report_path, by):
 @click.option("--jobs-total", type=click.IntRange(min=1), default=256, show_default=True, help="With --throughput: jobs, cycling JOBS.")
 @click.option("--throughput-drafts", default=None, help="With --throughput: batchgen runs at each size, one per draft kind (e.g. pld,none).")
 @click.option("--throughput-repeats", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --throughput: each side's run this many times, in turn; rows report the median run.")
+              help="With --throughput (or --features): each side's run this many times, in turn; rows report the median run.")
+@click.option("--features", is_flag=True,
+              help="Batched JSON-schema rows against free ones, logprobs on against off (at the --throughput sizes, "
+                   "default 32,auto, over --jobs-total jobs), and n samples against separate jobs.")
+@click.option("--samples", "samples_spec", default="64x8x1536", show_default=True,
+              help="With --features: PROMPTSxNxTOKENS, random prompts of TOKENS tokens at n=N against PROMPTS*N jobs.")
 def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
           draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy, kv_cache, kv_bits,
           plain_kv_bits, no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total,
-          throughput_drafts, throughput_repeats):  # fmt: skip
+          throughput_drafts, throughput_repeats, features, samples_spec):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
     _setup_logging(quiet=True)
     from .bench import BenchConfig, parse_policy, run_bench, save_results
@@ -301,6 +306,20 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
         plain_kv_bits=int(plain_kv_bits) if plain_kv_bits else None,
         tokenizer_path=Path(model) if (shape and model) else None, pld_policy=policy,
     )  # fmt: skip
+    if features:
+        from .bench import run_features
+
+        try:
+            n_prompts, n_samples, prompt_tokens = (int(x) for x in samples_spec.lower().split("x"))
+        except ValueError:
+            _fail(f"--samples: expected PROMPTSxNxTOKENS (e.g. 64x8x1536), got {samples_spec!r}")
+        sizes = [b if b == "auto" else int(b) for b in (batch_sizes or "32,auto").split(",")]
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        run_features(cfg, sizes, jobs_total, n_prompts, n_samples, prompt_tokens, repeats=throughput_repeats,
+                     log=lambda line: click.echo(line, err=True),
+                     on_result=lambda r: out_json.write_text(json.dumps(r, indent=2) + "\n"))  # fmt: skip
+        click.echo(f"wrote {out_json}")
+        return
     if batch_sizes:
         from .bench import run_throughput
 

@@ -36,6 +36,24 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class LogitsConfig:
+    """What a job does to the model's logits before a token is picked: OpenAI's
+    presence and frequency penalties (over the tokens generated so far),
+    mlx-lm's repetition penalty (over the last `repetition_context_size`
+    tokens of prompt and output) and an additive bias per token id."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    repetition_context_size: int = 20
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
+
+
+@dataclass(frozen=True)
 class DecodeConfig:
     """Which decoder runs a job: plain or prompt-lookup drafting."""
 

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import orjson
 
-from .config import DRAFT_KINDS, KV_BITS, KV_CACHE_KINDS, SamplingConfig
+from .config import DRAFT_KINDS, KV_BITS, KV_CACHE_KINDS, LogitsConfig, SamplingConfig
 
 NATIVE, CHAT, COMPLETION = "native", "chat", "completion"
 OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
@@ -64,6 +64,17 @@ class Job:
     kv_cache: str | None = None
     kv_bits: int | None = None
     model_name: str | None = None  # OpenAI body's "model", echoed back
+    n: int = 1  # samples of this prompt (seed + i each, where a seed is given)
+    logprobs: bool = False
+    top_logprobs: int = 0  # most likely alternatives per token, 0..20
+    json_schema: str | None = None  # the JSON schema (text) the output is constrained to
+    logits: LogitsConfig = field(default_factory=LogitsConfig)
+    sample: int = 0  # which of the job's n samples this is, once a job is split into them
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether picking a token needs more than the argmax of the raw logits."""
+        return not self.sampling.greedy or self.logprobs or self.json_schema is not None or self.logits.active
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,73 @@ def _any(key, v):
     return v
 
 
+def _bool(key, v):
+    _check(isinstance(v, bool), key, "true or false", v)
+    return v
+
+
+MAX_N = 128  # OpenAI's own bound on samples per request
+MAX_TOP_LOGPROBS = 20
+
+
+def _n(key, v):
+    _check(_is_int(v) and 1 <= v <= MAX_N, key, f"an integer in 1..{MAX_N}", v)
+    return v
+
+
+def _top_logprobs(key, v):
+    _check(_is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS, key, f"an integer in 0..{MAX_TOP_LOGPROBS}", v)
+    return v
+
+
+def _penalty(key, v):
+    _check(_is_number(v) and -2 <= v <= 2, key, "a number in [-2, 2]", v)
+    return float(v)
+
+
+def _positive_number(key, v):
+    _check(_is_number(v) and v > 0, key, "a number > 0", v)
+    return float(v)
+
+
+def _logit_bias(key, v):
+    """{"token id": bias in [-100, 100]} -> ((id, bias), ...) by id."""
+    _check(isinstance(v, dict), key, "an object of token ids to numbers", v)
+    out = {}
+    for k, b in v.items():
+        _check(isinstance(k, str) and k.isdigit(), f"{key} key", "a token id (digits)", k)
+        _check(_is_number(b) and -100 <= b <= 100, f"{key}[{k!r}]", "a number in [-100, 100]", b)
+        out[int(k)] = float(b)
+    return tuple(sorted(out.items()))
+
+
+JSON_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+def _schema_text(key, schema) -> str:
+    _check(isinstance(schema, (dict, bool)), key, "a JSON schema (an object)", schema)
+    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _response_format(key, v):
+    """OpenAI's response_format -> the schema text to constrain to, or None (text)."""
+    _check(isinstance(v, dict) and isinstance(v.get("type"), str), key, "an object with a 'type'", v)
+    kind = v["type"]
+    if kind == "text":
+        _reject_unknown(v, {"type"}, f"{key}.")
+        return None
+    if kind == "json_object":
+        _reject_unknown(v, {"type"}, f"{key}.")
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        _reject_unknown(v, {"type", "json_schema"}, f"{key}.")
+        spec = v.get("json_schema")
+        _check(isinstance(spec, dict) and "schema" in spec, f"{key}.json_schema", "an object with a 'schema'", spec)
+        _reject_unknown(spec, {"name", "schema", "strict", "description"}, f"{key}.json_schema.")
+        return _schema_text(f"{key}.json_schema.schema", spec["schema"])
+    raise InvalidJob("invalid_value", f"'{key}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
 # key -> checker; the same names and meanings in native jobs, header defaults
 # and OpenAI bodies (where they exist there).
 FIELD_CHECKS = {
@@ -176,16 +254,30 @@ FIELD_CHECKS = {
     "pld_max_lookup": _non_negative_int,
     "kv_cache": _choice(KV_CACHE_KINDS),
     "kv_bits": _choice(KV_BITS),
+    "n": _n,
+    "logprobs": _bool,
+    "top_logprobs": _top_logprobs,
+    "presence_penalty": _penalty,
+    "frequency_penalty": _penalty,
+    "repetition_penalty": _positive_number,
+    "repetition_context_size": _positive_int,
+    "logit_bias": _logit_bias,
+    "response_format": _response_format,
+    "json_schema": _schema_text,  # native shorthand for a json_schema response_format
 }
 NATIVE_KEYS = {"id", "messages", "prompt", *FIELD_CHECKS}
 DEFAULT_KEYS = set(FIELD_CHECKS) - {"metadata"}
-CHAT_BODY_KEYS = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "top_k", "min_p", "seed", "stop", "n", "user", "metadata",
+_OPENAI_SHARED = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "user",
+    "metadata", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
 }  # fmt: skip
-COMPLETION_BODY_KEYS = {
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-    "seed", "stop", "n", "user", "metadata",
+CHAT_BODY_KEYS = _OPENAI_SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+COMPLETION_BODY_KEYS = _OPENAI_SHARED | {"prompt"}
+# Keys OpenAI's bodies allow that batchgen does not do: named as such, not as typos.
+OPENAI_UNSUPPORTED = {
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio", "modalities",
+    "prediction", "web_search_options", "reasoning_effort", "verbosity", "stream", "stream_options",
+    "store", "service_tier", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix",
 }  # fmt: skip
 
 
@@ -200,6 +292,12 @@ def _content_text(content, index: int) -> str:
     """A message's content: a string, or OpenAI-style text parts joined."""
     if isinstance(content, str):
         return content
+    if isinstance(content, list):
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise InvalidJob("unsupported", f"messages[{index}].content[{j}] has type {kind!r}; "
+                                 "batchgen takes text parts only")  # fmt: skip
     if isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in content
@@ -255,6 +353,17 @@ def _settings(obj: dict, defaults: dict) -> dict:
 
 
 def _job(job_id, line, fmt, messages, prompt, s: dict, defaults: "Defaults", model=None):
+    if "response_format" in s and "json_schema" in s:
+        raise InvalidJob("invalid_job", "give one of 'response_format' or 'json_schema'")
+    if s.get("top_logprobs") and not s.get("logprobs"):
+        raise InvalidJob("invalid_value", "'top_logprobs' needs 'logprobs': true")
+    logits = LogitsConfig(
+        presence_penalty=s.get("presence_penalty", 0.0),
+        frequency_penalty=s.get("frequency_penalty", 0.0),
+        repetition_penalty=s.get("repetition_penalty", 1.0),
+        repetition_context_size=s.get("repetition_context_size", 20),
+        logit_bias=s.get("logit_bias", ()),
+    )
     sampling = SamplingConfig(
         temperature=s.get("temperature", 0.0),
         top_p=s.get("top_p", 1.0),
@@ -278,6 +387,11 @@ def _job(job_id, line, fmt, messages, prompt, s: dict, defaults: "Defaults", mod
         kv_cache=s.get("kv_cache"),
         kv_bits=s.get("kv_bits"),
         model_name=model,
+        n=s.get("n", 1),
+        logprobs=s.get("logprobs", False),
+        top_logprobs=s.get("top_logprobs", 0),
+        json_schema=s.get("response_format", s.get("json_schema")),
+        logits=logits,
     )
 
 
@@ -330,12 +444,17 @@ def _openai_job(obj: dict, line: int, d: Defaults) -> Job:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise InvalidJob("invalid_job", "'body' must be an object")
+    unsupported = sorted(set(body) & OPENAI_UNSUPPORTED)
+    if unsupported:
+        raise InvalidJob("unsupported", f"'body.{unsupported[0]}' is not supported by batchgen")
     _reject_unknown(body, CHAT_BODY_KEYS if fmt == CHAT else COMPLETION_BODY_KEYS, "body.")
-    if body.get("n", 1) != 1:
-        raise InvalidJob("invalid_value", "'body.n' must be 1")
     body = dict(body)
     if "max_completion_tokens" in body:
         body["max_tokens"] = body.pop("max_completion_tokens")
+    if fmt == COMPLETION and "logprobs" in body:  # the legacy endpoint's logprobs: how many alternatives
+        top = body.pop("logprobs")
+        if top is not None:
+            body["logprobs"], body["top_logprobs"] = True, _top_logprobs("body.logprobs", top)
     settings = _settings(body, d.header.defaults)
     model = body.get("model") if isinstance(body.get("model"), str) else None
     if fmt == CHAT:
@@ -453,6 +572,7 @@ class ScanReport:
     common_system: str | None = None
     common_system_jobs: int = 0
     ids: set = field(default_factory=set)  # every job's id (bad lines: their fallback id)
+    extra_samples: int = 0  # sum of n - 1 over the valid jobs: batch rows beyond one per job
 
 
 def _file_format(path: Path, header_line: int | None) -> str:
@@ -508,6 +628,7 @@ def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None) -> tup
             if on_bad is not None:
                 on_bad(item)
             continue
+        report.extra_samples += item.n - 1
         system = _system_of(item)
         if system:
             digest = hashlib.sha1(system.encode()).digest()

@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 
 from .jobs import CHAT, NATIVE
-from .stats import Result
+from .stats import Result, Sample
 
 
 class OutputFileError(Exception):
@@ -32,14 +32,46 @@ def native_line(r: Result) -> dict:
             "error": {"type": r.error.type, "message": r.error.message, "line": r.error.line},
             "metadata": r.metadata,
         }
+    if r.samples is None:
+        out = {"id": r.id, "text": r.text, "finish_reason": r.finish_reason}
+        if r.logprobs is not None:
+            out["logprobs"] = {"content": r.logprobs}
+    else:  # n > 1: one entry per sample, in sample order
+        out = {"id": r.id, "samples": [_native_sample(i, s) for i, s in enumerate(r.samples)]}
+    return {**out, "usage": vars(r.usage).copy(), "stats": r.stats.as_dict(), "metadata": r.metadata, "error": None}
+
+
+def _native_sample(index: int, s: Sample) -> dict:
+    out = {"index": index, "text": s.text, "finish_reason": s.finish_reason, "completion_tokens": s.completion_tokens}
+    if s.logprobs is not None:
+        out["logprobs"] = {"content": s.logprobs}
+    return out
+
+
+def _samples(r: Result) -> list[Sample]:
+    if r.samples is not None:
+        return r.samples
+    return [Sample(r.text, r.finish_reason, r.usage.completion_tokens, r.logprobs)]
+
+
+def completion_logprobs(content: list) -> dict:
+    """The legacy completions endpoint's logprobs from chat-shaped entries:
+    parallel lists, each alternative a {token: logprob} map, and each token's
+    character offset in the text.
+
+    >>> completion_logprobs([{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]},
+    ...                      {"token": "bc", "logprob": -1.0, "bytes": [98, 99], "top_logprobs": []}])
+    {'tokens': ['a', 'bc'], 'token_logprobs': [-0.5, -1.0], 'top_logprobs': [{'a': -0.5}, {}], 'text_offset': [0, 1]}
+    """
+    offsets, at = [], 0
+    for e in content:
+        offsets.append(at)
+        at += len(e["token"])
     return {
-        "id": r.id,
-        "text": r.text,
-        "finish_reason": r.finish_reason,
-        "usage": vars(r.usage).copy(),
-        "stats": r.stats.as_dict(),
-        "metadata": r.metadata,
-        "error": None,
+        "tokens": [e["token"] for e in content],
+        "token_logprobs": [e["logprob"] for e in content],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in content],
+        "text_offset": offsets,
     }
 
 
@@ -52,18 +84,20 @@ def _openai_body(r: Result, created: int) -> dict:
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
     common = {"created": created, "model": r.model_name or "batchgen", "usage": usage}
+    choices = []
+    for i, s in enumerate(_samples(r)):
+        if r.format == CHAT:
+            logprobs = None if s.logprobs is None else {"content": s.logprobs, "refusal": None}
+            choices.append({"index": i, "message": {"role": "assistant", "content": s.text},
+                            "finish_reason": s.finish_reason, "logprobs": logprobs})  # fmt: skip
+        else:
+            logprobs = None if s.logprobs is None else completion_logprobs(s.logprobs)
+            choices.append({"index": i, "text": s.text, "finish_reason": s.finish_reason, "logprobs": logprobs})
     if r.format == CHAT:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": r.text},
-            "finish_reason": r.finish_reason,
-            "logprobs": None,
-        }
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion"}
-    return {**head, **common, "choices": [choice], "batchgen": {"stats": r.stats.as_dict()}}
+    return {**head, **common, "choices": choices, "batchgen": {"stats": r.stats.as_dict()}}
 
 
 def openai_line(r: Result) -> dict:
@@ -96,7 +130,7 @@ def _line_key(obj) -> str | None:
         ok = "response" in obj and "error" in obj
         key = obj.get("custom_id")
     else:
-        ok = "error" in obj and ("text" in obj or obj.get("error") is not None)
+        ok = "error" in obj and ("text" in obj or "samples" in obj or obj.get("error") is not None)
         key = obj.get("id")
     return key if ok and isinstance(key, str) else None
 

@@ -97,7 +97,7 @@ def _num(v, default=0):
 def _native_row(obj: dict, n: int) -> Row | None:
     key = obj.get("id")
     err = obj.get("error")
-    if not isinstance(key, str) or not ("text" in obj or err is not None):
+    if not isinstance(key, str) or not ("text" in obj or "samples" in obj or err is not None):
         return None
     if err is not None:
         err = err if isinstance(err, dict) else {"message": str(err)}
@@ -105,7 +105,9 @@ def _native_row(obj: dict, n: int) -> Row | None:
                    err.get("line") if isinstance(err.get("line"), int) else None, metadata=obj.get("metadata"))  # fmt: skip
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else {}
     stats = obj.get("stats") if isinstance(obj.get("stats"), dict) else {}
-    return Row(key, n, True, finish_reason=obj.get("finish_reason"), prompt_tokens=_num(usage.get("prompt_tokens")),
+    samples = obj.get("samples") if isinstance(obj.get("samples"), list) else [{}]
+    finish = obj.get("finish_reason", samples[0].get("finish_reason") if samples and isinstance(samples[0], dict) else None)
+    return Row(key, n, True, finish_reason=finish, prompt_tokens=_num(usage.get("prompt_tokens")),
                completion_tokens=_num(usage.get("completion_tokens")), cached_tokens=_num(usage.get("cached_tokens")),
                stats=stats, metadata=obj.get("metadata"))  # fmt: skip
 

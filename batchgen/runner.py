@@ -221,7 +221,8 @@ def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every
             _prewarm(cfg, engine, scan, summary)
             bar = _progress_bar(scan.jobs - summary.skipped, progress)
             every = ProgressLog(scan.jobs - summary.skipped, log_every_s, log.info) if log_every_s and bar is None else None
-            for result in engine.run_all(todo, total=scan.jobs - summary.skipped):
+            # rows wanted: a job of n samples takes n (its skipped jobs' counted too: a cap, not a count)
+            for result in engine.run_all(todo, total=scan.jobs - summary.skipped + scan.extra_samples):
                 result.stats.finished_at = round(time.time(), 3)
                 with stops.writing():
                     writer.write(result)

@@ -50,6 +50,16 @@ class JobFailure:
 
 
 @dataclass
+class Sample:
+    """One of a job's n samples (`Result.samples`, n > 1)."""
+
+    text: str
+    finish_reason: str
+    completion_tokens: int
+    logprobs: list | None = None  # OpenAI's `logprobs.content` entries, where asked
+
+
+@dataclass
 class Result:
     """One finished job (or a failed one, with `error` set and no text)."""
 
@@ -64,6 +74,9 @@ class Result:
     error: JobFailure | None = None
     model_name: str | None = None
     token_ids: list | None = None  # generated ids, EOS included (not written out)
+    logprobs: list | None = None  # OpenAI's `logprobs.content` entries, where the job asked
+    samples: list | None = None  # a job of n > 1 samples: its `Sample`s (text, finish_reason unset)
+    sample: int = 0  # the sample this result is, before a job's samples are merged
 
     @property
     def ok(self) -> bool:

@@ -8,6 +8,10 @@
 #              300); a failure ends the call
 #   headline   the README's headline figures (bench/RESULTS.md), each row for every side in turn
 #   headline7b the 7B shape's rows of the same (the weights alone take a minute to build)
+#   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
+#              samples against separate jobs (0.5B shape). Needs llguidance: its abi3 wheel
+#              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
+#              manylinux_2_31_x86_64 --python-version 3.12 -d .gpu/) is unpacked into /tmp/site.
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
 # in turn with this tree in the same call (SIDES="old new" for the other order, PLD_ROUNDS=N
 # to repeat the PLD row); only ratios within one call are compared. bench/RESULTS.md
@@ -78,6 +82,17 @@ stage_headline7b() {  # whole-file throughput, 7B shape, auto rows; TurboQuant o
     step "tqd7b_${s}" 150 $(side "$s") python3 bench/turboquant_decode.py qwen2.5-7b 32768 --rounds 5 \
       --out "$R/tqd7b_${s}.jsonl"
   done
+}
+
+stage_features() {
+  if ! python3 -c "import llguidance" 2>/dev/null; then
+    local wheel
+    wheel=$(ls .gpu/llguidance-*.whl 2>/dev/null | head -n 1)
+    [[ -n $wheel ]] && python3 -m zipfile -e "$wheel" /tmp/site
+  fi
+  step features05 540 python3 -m batchgen bench jobs/freeform.jsonl --shape qwen2.5-0.5b --features \
+    --throughput 32,auto --jobs-total 256 --max-tokens 128 --samples 64x8x1536 --throughput-repeats 3 \
+    --out "$R/features05.json"
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call

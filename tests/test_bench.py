@@ -214,3 +214,26 @@ def test_prefix_agreement_is_the_reference_fraction_before_the_first_difference(
     assert prefix_agreement([1, 2, 3, 4, 5], [1, 2, 3, 4]) == 1.0  # ran on: all of the reference first
     assert prefix_agreement([7], [1, 2]) == 0.0
     assert prefix_agreement([3, 4], [3, 4]) == 1.0 and prefix_agreement([], []) == 1.0
+
+
+def test_bench_features_writes_each_figure(tmp_path, model):
+    """`--features` on a tiny model: JSON-schema and logprobs rows against free
+    ones at each size, n samples against separate jobs (the shape of the
+    output, and that the sampled texts are the separate jobs' texts)."""
+    pytest.importorskip("llguidance")
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(3))
+    out = tmp_path / "f.json"
+    r = CliRunner().invoke(main, ["bench", str(jobs), "--model", model, "--features", "--throughput", "2,auto",
+                                  "--jobs-total", "4", "--max-tokens", "6", "--samples", "2x3x16", "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    rows = d["structured_and_logprobs"]
+    assert [row["rows"] for row in rows] == [2, 4]
+    for row in rows:
+        assert row["json_schema_over_free"] > 0 and row["logprobs_over_free"] > 0
+        assert row["free"]["completion_tokens"] == row["logprobs"]["completion_tokens"] == 24
+    s = d["samples"]
+    assert (s["prompts"], s["rows"]) == (2, 4) and s["n"]["lines"] == 2 and s["separate"]["lines"] == 6
+    assert s["n"]["completion_tokens"] == s["separate"]["completion_tokens"]
+    assert s["samples_identical_to_separate_jobs"] == 6
+    assert s["n"]["prefill_tokens"] <= s["separate"]["prefill_tokens"]

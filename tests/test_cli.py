@@ -243,7 +243,8 @@ def test_openai_batch_output_validates_with_openai_models(tmp_path, model):
     comp = Completion.model_validate(c2["response"]["body"])
     assert comp.usage.completion_tokens == 4 and comp.choices[0].finish_reason == "length"
     assert c1["response"]["body"]["batchgen"]["stats"]["draft"] == "pld"
-    assert c3["response"] is None and c3["error"]["code"] == "unknown_key" and c3["error"]["line"] == 3
+    assert c3["response"] is None and c3["error"]["code"] == "unsupported" and c3["error"]["line"] == 3
+    assert c3["error"]["message"] == "'body.best_of' is not supported by batchgen"
 
 
 def test_validate_lists_bad_jobs(tmp_path):

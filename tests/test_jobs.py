@@ -104,8 +104,8 @@ def test_openai_chat_and_completion_lines():
     [
         ('{"custom_id": "r", "method": "GET", "url": "/v1/completions", "body": {"prompt": "a"}}', "POST"),
         ('{"custom_id": "r", "method": "POST", "url": "/v1/embeddings", "body": {}}', "url"),
-        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}}', "body.logprobs"),
-        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 2}}', "body.n"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "echo": true}}', "body.echo"),
+        ('{"custom_id": "r", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "n": 0}}', "'n'"),
         ('{"custom_id": "r", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}', "body.messages"),
         ('{"prompt": "a"}', "native job"),
     ],
@@ -179,3 +179,93 @@ def test_duplicate_ids_make_file_unusable(tmp_path):
 def test_unreadable_file(tmp_path):
     with pytest.raises(JobFileError, match="cannot read job file"):
         scan_jobs(tmp_path / "missing.jsonl", 16, None)
+
+
+def test_native_generation_features():
+    job = parse(
+        '{"prompt": "x", "n": 3, "logprobs": true, "top_logprobs": 4, "presence_penalty": 0.5,'
+        ' "frequency_penalty": -1, "repetition_penalty": 1.2, "repetition_context_size": 8,'
+        ' "logit_bias": {"12": -100, "3": 2.5}, "json_schema": {"type": "object", "b": 1, "a": 2}}'
+    )
+    assert (job.n, job.logprobs, job.top_logprobs) == (3, True, 4)
+    lc = job.logits
+    assert (lc.presence_penalty, lc.frequency_penalty, lc.repetition_penalty, lc.repetition_context_size) == (0.5, -1.0, 1.2, 8)
+    assert lc.logit_bias == ((3, 2.5), (12, -100.0)) and lc.active
+    assert job.json_schema == '{"a":2,"b":1,"type":"object"}'  # keys sorted: one text per schema
+    assert job.needs_logits and not parse('{"prompt": "x"}').needs_logits
+
+
+@pytest.mark.parametrize(
+    "body, schema",
+    [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, '{"type":"object"}'),
+        ({"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {"type": "integer"}}},
+         '{"type":"integer"}'),
+    ],
+)
+def test_response_format_in_both_formats(body, schema):
+    import json
+
+    native = parse(json.dumps({"prompt": "x", "response_format": body}))
+    chat = parse(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"messages": [{"role": "user", "content": "q"}], "response_format": body}}), fmt=CHAT)  # fmt: skip
+    assert native.json_schema == chat.json_schema == schema
+
+
+def test_openai_bodies_take_samples_logprobs_and_penalties():
+    chat = parse(
+        '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"messages":'
+        ' [{"role": "user", "content": "q"}], "n": 2, "logprobs": true, "top_logprobs": 2, "presence_penalty": 1,'
+        ' "frequency_penalty": 0.5, "logit_bias": {"7": 3}, "seed": 4}}',
+        fmt=CHAT,
+    )
+    assert (chat.n, chat.logprobs, chat.top_logprobs, chat.sampling.seed) == (2, True, 2, 4)
+    assert (chat.logits.presence_penalty, chat.logits.frequency_penalty, chat.logits.logit_bias) == (1.0, 0.5, ((7, 3.0),))
+    legacy = parse('{"custom_id": "l", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p", "logprobs": 3}}', fmt=CHAT)
+    assert (legacy.format, legacy.logprobs, legacy.top_logprobs) == (COMPLETION, True, 3)
+
+
+@pytest.mark.parametrize(
+    "line, kind, words",
+    [
+        ('{"prompt": "a", "n": 0}', "invalid_value", "'n' must be an integer in 1..128"),
+        ('{"prompt": "a", "n": 129}', "invalid_value", "1..128"),
+        ('{"prompt": "a", "logprobs": 1}', "invalid_value", "'logprobs' must be true or false"),
+        ('{"prompt": "a", "top_logprobs": 2}', "invalid_value", "'top_logprobs' needs 'logprobs': true"),
+        ('{"prompt": "a", "logprobs": true, "top_logprobs": 21}', "invalid_value", "0..20"),
+        ('{"prompt": "a", "presence_penalty": 2.5}', "invalid_value", "[-2, 2]"),
+        ('{"prompt": "a", "repetition_penalty": 0}', "invalid_value", "> 0"),
+        ('{"prompt": "a", "logit_bias": {"x": 1}}', "invalid_value", "token id"),
+        ('{"prompt": "a", "logit_bias": {"5": 101}}', "invalid_value", "[-100, 100]"),
+        ('{"prompt": "a", "response_format": {"type": "yaml"}}', "invalid_value", "'yaml'"),
+        ('{"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}', "invalid_value", "'schema'"),
+        ('{"prompt": "a", "response_format": {"type": "json_object", "schema": {}}}', "unknown_key", "response_format.schema"),
+        ('{"prompt": "a", "json_schema": {"type": "object"}, "response_format": {"type": "json_object"}}', "invalid_job", "one of"),
+        ('{"prompt": "a", "json_schema": "object"}', "invalid_value", "a JSON schema"),
+    ],
+)
+def test_bad_feature_values(line, kind, words):
+    bad = parse(line)
+    assert isinstance(bad, BadJob) and bad.kind == kind and words in bad.message, bad
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('{"messages": [{"role": "user", "content": "q"}], "tools": []}', "'body.tools' is not supported by batchgen"),
+        ('{"messages": [{"role": "user", "content": "q"}], "audio": {}}', "'body.audio' is not supported by batchgen"),
+        ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}]}',
+         "messages[0].content[1] has type 'image_url'; batchgen takes text parts only"),
+        ('{"messages": [{"role": "user", "content": "q"}], "repetition_penalty": 1.1}', "unknown key 'body.repetition_penalty'"),
+    ],
+)
+def test_what_openai_allows_and_batchgen_does_not_is_named(body, message):
+    bad = parse('{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": ' + body + "}", fmt=CHAT)
+    assert isinstance(bad, BadJob) and bad.message == message
+
+
+def test_scan_counts_the_rows_samples_take(tmp_path):
+    path = write(tmp_path, '{"prompt": "a", "n": 4}', '{"prompt": "b"}', '{"prompt": "c", "n": 0}')
+    report, _ = scan_jobs(path, 16, None)
+    assert (report.jobs, report.bad, report.extra_samples) == (3, 1, 3)

@@ -20,11 +20,13 @@ so it learns when drafting starts to pay again.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from .logprobs import token_logprobs
 from .sampling import pick, target_logits
 
 # How far back a candidate's context is compared when ranking n-gram matches.
@@ -249,9 +251,10 @@ class _Pass:
 
     draft: list[int]
     length: int  # tokens fed, pads included
-    logits: mx.array  # (len(draft) + 1, vocab)
+    logits: mx.array  # (len(draft) + 1, vocab), the model's
     targets: mx.array | None  # greedy: argmax per position, being evaluated
     saved: dict | None  # recurrent layers' state from before the pass
+    picked: mx.array | None = None  # the logits tokens are picked from: `logits`, or the picker's processed rows
 
 
 @dataclass
@@ -282,12 +285,24 @@ class PLDDecoder:
         pad_to: int | None,
         stream,
         pipeline: bool = True,
+        entries=None,
+        picker=None,
     ):
         self.model, self.cache, self.sampling, self.keys = model, cache, sampling, keys
         self.max_lookup = max_lookup
         self.stats, self.remaining, self.policy = stats, remaining, policy
         self.pad_to = pad_to
         self.stream = stream
+        # `logprobs.Entries` where the job asks for logprobs: each emitted token's
+        # from the raw logits of the pass (plain step or verify row) that produced it
+        self.entries = entries
+        self._step_logprobs: deque = deque()
+        # `picking.SamplePicker` of a job whose tokens depend on those so far (a
+        # grammar, penalties, a bias): each position's logits go through it, a
+        # verify pass's rows as if the draft before them were generated, and
+        # every emitted token is handed to it. Its plain steps pick after the
+        # token before is read back (the next pass queued first).
+        self.picker = picker
         # prompt + generated; the last token is not in the cache yet
         self.index = NgramIndex(context, ngram_size)
         self.prompt_len = prompt_len
@@ -301,7 +316,7 @@ class PLDDecoder:
         # Queue the next verify pass before reading the current one: greedy
         # only (a sampled pass's outcome cannot be guessed), and not where
         # recurrent layers need a snapshot per pass.
-        self.pipelined = pipeline and sampling.greedy and not self.recurrent
+        self.pipelined = pipeline and sampling.greedy and not self.recurrent and picker is None
 
     @property
     def ctx(self) -> list[int]:
@@ -321,6 +336,8 @@ class PLDDecoder:
                     tokens = self._verify_run(draft)
                 elif draft:
                     tokens = self._verify(draft)
+                elif self.picker is not None:
+                    tokens = self._picked_run()
                 else:
                     tokens = self._plain_run()
                 for t in tokens:
@@ -374,7 +391,62 @@ class PLDDecoder:
         t = self.generated + self._queued
         self._queued += 1
         self.stats.forward_passes += 1
-        return pick(logits, self.sampling, None if self.keys is None else self.keys[t])
+        token = pick(logits, self.sampling, None if self.keys is None else self.keys[t])
+        if self.entries is not None:
+            self._step_logprobs.append(token_logprobs(logits, token, self.entries.k))
+        return token
+
+    def _picked_run(self) -> Iterator[int]:
+        """`_plain_run` for a job with a picker: each step's pass is queued before
+        the token it follows is read, then its token is picked from the
+        picker's logits (the grammar's mask made meanwhile)."""
+        self._queued = 0
+
+        def forward(y: mx.array) -> mx.array:
+            self.stats.forward_passes += 1
+            return self.model(y[None], cache=self.cache)[:, -1, :]
+
+        def picked(logits: mx.array) -> mx.array:
+            y = pick(self.picker.process(logits), self.sampling, None if self.keys is None else self.keys[self.generated])
+            if self.entries is not None:
+                self._step_logprobs.append(token_logprobs(logits, y, self.entries.k))
+            mx.async_eval(y)
+            return y
+
+        cur = picked(forward(mx.array([self.ctx[-1]])))
+        last_read = None
+        while True:
+            logits = forward(cur)
+            mx.async_eval(logits)
+            token = self._read_step(cur)
+            last_read = self._time_plain(last_read)
+            self._emit_picked(token)
+            yield token
+            if self.plain_left > 0:
+                self.plain_left -= 1
+            elif self.shadow is None and self._choose_draft():
+                break  # the pass after `token` is queued: finish it, as `_plain_run` does
+            cur = picked(logits)
+        token = self._read_step(picked(logits))
+        self._emit_picked(token)
+        yield token
+
+    def _emit_picked(self, token: int) -> None:
+        self.picker.accept(token, None)
+        self._score_shadow(token)
+        self.index.extend((token,))
+
+    def _read_step(self, y: mx.array) -> int:
+        """A plain step's token read back (its logprobs with it, in queue order)."""
+        token = y.item()
+        if self.entries is not None:
+            self.entries.add_rows([token], self._step_logprobs.popleft())
+        return token
+
+    def _record_pass(self, p: "_Pass", out: list[int]) -> None:
+        """Logprobs of a verify pass's emitted tokens: row i of its logits for token i."""
+        if self.entries is not None:
+            self.entries.add_rows(out, token_logprobs(p.logits[: len(out)], mx.array(out), self.entries.k))
 
     def _plain_run(self) -> Iterator[int]:
         """Pipelined plain steps until a draft that pays is found (or the job ends).
@@ -389,7 +461,7 @@ class PLDDecoder:
         while True:
             nxt = self._step(cur)
             mx.async_eval(nxt)
-            token = cur.item()
+            token = self._read_step(cur)
             last_read = self._time_plain(last_read)
             self._queued -= 1
             self._score_shadow(token)
@@ -402,7 +474,7 @@ class PLDDecoder:
             cur = nxt
         # `nxt` is already running with `token` as input: finish it, so the
         # cache holds every emitted token but the last, as a draft step needs.
-        token = nxt.item()
+        token = self._read_step(nxt)
         self._queued -= 1
         self._score_shadow(token)
         self.index.extend((token,))
@@ -424,12 +496,16 @@ class PLDDecoder:
         inputs = [first] + draft + [draft[-1]] * (length - m - 1)  # pads: ignored
         saved = _snapshot(self.cache, self.recurrent) if self.recurrent else None
         logits = self.model(mx.array(inputs)[None], cache=self.cache)[0, : m + 1, :]
+        picked = logits
+        if self.picker is not None:
+            mx.async_eval(logits)  # the pass runs while the picker's masks are made
+            picked = self.picker.process(logits, draft)
         targets = None
         if self.sampling.greedy:
-            targets = mx.argmax(logits, axis=-1)
+            targets = mx.argmax(picked, axis=-1)
             mx.async_eval(targets)
         self.stats.forward_passes += 1
-        return _Pass(draft, length, logits, targets, saved)
+        return _Pass(draft, length, logits, targets, saved, picked)
 
     def _resolve(self, p: "_Pass") -> tuple[int, int]:
         """(accepted draft tokens, the model's token after them): the one host sync."""
@@ -440,7 +516,7 @@ class PLDDecoder:
                 n += 1
             bonus = targets[n]
         else:
-            n, bonus = self._accept_sampled(p.logits, p.draft)
+            n, bonus = self._accept_sampled(p.picked, p.draft)
         self.stats.pld_drafted += len(p.draft)
         self.stats.pld_accepted += n
         self.policy.drafted += len(p.draft)
@@ -457,6 +533,10 @@ class PLDDecoder:
         self.policy.verify_pass_s.add(time.perf_counter() - start)
         self._record(n + 1, 1 + (p.saved is not None and n < len(draft)))  # a replay is a pass too
         out = draft[:n] + [bonus]
+        self._record_pass(p, out)
+        if self.picker is not None:
+            for t in out:
+                self.picker.accept(t, None)
         self.index.extend(out)
         return out
 
@@ -483,6 +563,7 @@ class PLDDecoder:
                     c.trim(extra)
             self._record(n + 1, 1 + wasted)
             out = cur.draft[:n] + [bonus]
+            self._record_pass(cur, out)
             self.index.extend(out)
             if not hit:
                 if wasted:
@@ -562,13 +643,15 @@ def accept_sampled(logits: mx.array, draft: list[int], sampling, keys: mx.array,
 
 
 def pld_tokens(model, cache, context, prompt_len, sampling, keys, decode, stats, *, remaining, policy, pad_to,
-               stream) -> Iterator[int]:  # fmt: skip
+               stream, entries=None, picker=None) -> Iterator[int]:  # fmt: skip
     """Tokens after `context` (the prompt and what was generated after its
-    first `prompt_len` tokens; the cache holds all of it but the last token)."""
+    first `prompt_len` tokens; the cache holds all of it but the last token).
+    `entries`: a `logprobs.Entries` to fill, where the job asks for logprobs;
+    `picker`: a `picking.SamplePicker` whose state the tokens depend on."""
     stats.draft = "pld"
     decoder = PLDDecoder(
         model, cache, list(context), prompt_len, sampling, keys, decode.pld_ngram_size,
         decode.pld_max_lookup, stats, remaining, policy, pad_to, stream,
-        pipeline=decode.pld_pipeline,
+        pipeline=decode.pld_pipeline, entries=entries, picker=picker,
     )  # fmt: skip
     return iter(decoder)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from dataclasses import replace
+
 from ..jobs import Job
-from ..stats import JobFailure, JobStats, Result, Usage
+from ..stats import JobFailure, JobStats, Result, Sample, Usage
 from .passes import generation_stream
 from .sampling import pick
 
@@ -107,6 +109,35 @@ def finished_result(job: Job, text: TextAssembler, stats: JobStats, prompt_token
         usage=Usage(prompt_tokens, text.completion_tokens, cached), stats=stats,
         metadata=job.metadata, model_name=job.model_name, token_ids=text.token_ids,
     )  # fmt: skip
+
+
+def merged_result(job: Job, results: list[Result]) -> Result:
+    """One result for a job's n samples (`picking.sample_jobs`): its `samples`
+    in order; the prompt counted once (its tokens, and the fewest cached of
+    any sample: the copy that prefilled it), completion tokens summed; time to
+    the first sample's first token, then decode until the last sample ends.
+    A sample that failed makes the job's error line."""
+    results = sorted(results, key=lambda r: r.sample)
+    failed = next((r for r in results if not r.ok), None)
+    if failed is not None:
+        return replace(failed, sample=0)
+    first = results[0]
+    prompt = first.usage.prompt_tokens
+    cached = min(r.usage.cached_tokens for r in results)
+    completion = sum(r.usage.completion_tokens for r in results)
+    stats = replace(first.stats)
+    stats.prefill_s = min(r.stats.prefill_s for r in results)
+    stats.decode_s = max(r.stats.prefill_s + r.stats.decode_s for r in results) - stats.prefill_s
+    after_first = sum(max(r.usage.completion_tokens - 1, 0) for r in results)
+    stats.decode_tps = after_first / stats.decode_s if stats.decode_s > 0 else 0.0
+    stats.prompt_tps = (prompt - cached) / stats.prefill_s if stats.prefill_s > 0 else 0.0
+    stats.cache_hit_ratio = cached / prompt if prompt else 0.0
+    for name in ("forward_passes", "pld_drafted", "pld_accepted", "kv_bytes"):
+        setattr(stats, name, sum(getattr(r.stats, name) for r in results))
+    stats.peak_memory_gb = max(r.stats.peak_memory_gb for r in results)
+    samples = [Sample(r.text, r.finish_reason, r.usage.completion_tokens, r.logprobs) for r in results]
+    return Result(id=job.id, line=job.line, format=job.format, usage=Usage(prompt, completion, cached), stats=stats,
+                  metadata=job.metadata, model_name=job.model_name, samples=samples)  # fmt: skip
 
 
 def error_result(job: Job, e: Exception) -> Result:

@@ -37,8 +37,18 @@ from ..cache.pool import (
 
 )
 from ..decode.passes import generation_stream, padded_length, pads_exactly, plain_tokens, prefill
+from ..decode.picking import SamplePicker, picked_tokens, sample_jobs, wants_picker
+from ..decode.processors import check_bias
 from ..decode.sampling import job_seed, make_keys
-from ..decode.text import JobRunError, TextAssembler, error_result, failed_result, finished_result, first_token
+from ..decode.text import (
+    JobRunError,
+    TextAssembler,
+    error_result,
+    failed_result,
+    finished_result,
+    first_token,
+    merged_result,
+)
 from ..stats import JobStats, Result, Timer
 
 log = logging.getLogger("batchgen")
@@ -189,6 +199,8 @@ class Engine:
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
         pad = config.pad_prompts
         self.pad_prompts = mx.default_device().type == mx.gpu if pad is None else pad
+        self._grammars = None  # `grammar.Grammars`, made at the first job with a schema
+        self._token_text = None  # `logprobs.TokenText`, at the first job with logprobs
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -316,7 +328,8 @@ class Engine:
 
     def run_all(self, items: Iterable[Job | BadJob], total: int | None = None) -> Iterator[Result]:
         """Results in completion order (sequential: job order). `total`, the
-        number of jobs coming, caps the batch size."""
+        number of rows the jobs coming take (a job of n samples takes n),
+        caps the batch size."""
         rows = self.resolve_batch_size(total)
         self.batch_report = {"rows": 1}
         if rows > 1:
@@ -326,7 +339,9 @@ class Engine:
             if ok:
                 log.info(f"batched decoding: up to {rows} jobs per step")
                 self.batch_report = {"rows": rows}
-                yield from BatchScheduler(self, rows, self.kv_budget_bytes).run(items)
+                parents: dict = {}
+                results = BatchScheduler(self, rows, self.kv_budget_bytes).run(_split_samples(items, parents))
+                yield from _merged_samples(results, parents)
                 return
             log.info(f"batched decoding off: {why}; jobs run one at a time")
         for item in items:
@@ -340,6 +355,44 @@ class Engine:
             return self._run(job)
         except Exception as e:
             return error_result(job, e)
+
+    # -- what picks a job's tokens ----------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits."""
+        cfg = self.model_config.get("text_config", self.model_config)
+        return cfg.get("vocab_size") or self.model_config["vocab_size"]
+
+    def matcher_for(self, job: Job):
+        """A fresh grammar matcher for a job with a JSON schema (else None);
+        `JobRunError` where the schema does not compile or no grammar engine
+        is installed, before anything of the job runs. Also checks its
+        logit_bias ids against the vocabulary."""
+        if job.logits.logit_bias:
+            try:
+                check_bias(job.logits, self.vocab_size)
+            except ValueError as e:
+                raise JobRunError("invalid_value", str(e)) from None
+        if job.json_schema is None:
+            return None
+        if self._grammars is None:
+            from ..decode.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars.matcher(job.json_schema)
+
+    @property
+    def grammars(self):
+        return self._grammars
+
+    @property
+    def token_text(self):
+        if self._token_text is None:
+            from ..decode.logprobs import TokenText
+
+            self._token_text = TokenText(self.tokenizer)
+        return self._token_text
 
     def resolve_batch_size(self, total: int | None = None) -> int:
         """The batch size: as configured, the device's default, or ("auto")
@@ -411,25 +464,49 @@ class Engine:
             self.pool.insert(tokens, clone_cache(cache), plan.kv_kind)
 
     def _run(self, job: Job) -> Result:
+        """A job: its prompt prefilled once, then each of its n samples decoded
+        from a copy of that cache (the last sample takes the cache itself)."""
         timer = Timer()
         mx.reset_peak_memory()
         job, tokens, capped_from = self.checked_job(job)
+        samples = sample_jobs(job)
+        matchers = [self.matcher_for(s) for s in samples]  # a schema that cannot compile fails here
         plan = self.plan(job)
+        cache, cached, logits = self.start_prompt(tokens, plan)
+        results = []
+        for i, (sample, matcher) in enumerate(zip(samples, matchers)):
+            own = cache if i == len(samples) - 1 else clone_cache(cache)
+            results.append(self._sample(sample, matcher, plan, tokens, own, cached if i == 0 else len(tokens),
+                                        logits, capped_from, timer))  # fmt: skip
+        return results[0] if job.n == 1 else merged_result(job, results)
+
+    def _sample(self, job: Job, matcher, plan: JobPlan, tokens: list[int], cache: list, cached: int,
+                logits: mx.array, capped_from: int | None, timer: Timer) -> Result:  # fmt: skip
+        """One sample from a cache holding its prompt and the prompt's last logits."""
         stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind, max_tokens_capped_from=capped_from)
         n_keys = job.max_tokens + plan.decode.pld_max_lookup + 2
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), n_keys)
-        cache, cached, logits = self.start_prompt(tokens, plan)
-        first = first_token(logits, job.sampling, keys, stats)
+        picker = None
+        if wants_picker(job):
+            text_of = self.token_text if job.logprobs else None
+            picker = SamplePicker(job, tokens, keys, matcher, self.grammars, text_of)
+            first = picker.first(logits, stats)
+        else:
+            first = first_token(logits, job.sampling, keys, stats)
         first_token_s = timer.elapsed_s
         text = TextAssembler(self.tokenizer, job.stop, job.max_tokens)
         if not text.add(first):
-            stream = self._decoder(plan, cache, tokens + [first], job, keys, stats, text)
+            stream = self._decoder(plan, cache, tokens + [first], job, keys, stats, text, picker)
             for token in stream:
                 if text.add(token):
                     break
             stream.close()
         stats.kv_bytes = cache_nbytes(cache)
-        return finished_result(job, text, stats, len(tokens), cached, first_token_s, timer.elapsed_s)
+        result = finished_result(job, text, stats, len(tokens), cached, first_token_s, timer.elapsed_s)
+        result.sample = job.sample
+        if picker is not None:
+            result.logprobs = picker.logprobs(set(self.tokenizer.eos_token_ids))
+        return result
 
     def cache_for(self, tokens: list[int], plan: JobPlan) -> tuple[list, int]:
         if self.pool is not None:
@@ -438,7 +515,7 @@ class Engine:
                 return hit.cache, hit.cached_tokens
         return self.make_cache(plan.kv), 0
 
-    def _decoder(self, plan: JobPlan, cache, context, job: Job, keys, stats, text) -> Iterator[int]:
+    def _decoder(self, plan: JobPlan, cache, context, job: Job, keys, stats, text, picker=None) -> Iterator[int]:
         """Tokens after the first: `context` is the prompt plus the first token,
         which the cache does not hold yet."""
         d = plan.decode
@@ -449,8 +526,35 @@ class Engine:
             return pld.pld_tokens(
                 self.model, cache, context, len(context) - 1, job.sampling, keys, d, stats,
                 remaining=lambda: text.remaining, policy=self.draft_policy,
-                pad_to=pad_to, stream=generation_stream,
+                pad_to=pad_to, stream=generation_stream, entries=None if picker is None else picker.entries,
+                picker=picker if picker is not None and picker.stateful else None,
             )  # fmt: skip
+        if picker is not None:
+            return picked_tokens(self.model, cache, context[-1], picker, stats)
         return plain_tokens(self.model, cache, context[-1], job.sampling, keys, stats)
 
+
+def _split_samples(items: Iterable[Job | BadJob], parents: dict) -> Iterator[Job | BadJob]:
+    """A job of n samples as n rows of one (`sample_jobs`): in the batch their
+    identical prompts enter together and are prefilled once (`start_prompts`
+    copies a repeated prompt's cache). `parents`: id -> [job, results so far]."""
+    for item in items:
+        if isinstance(item, Job) and item.n > 1:
+            parents[item.id] = [item, []]
+            yield from sample_jobs(item)
+        else:
+            yield item
+
+
+def _merged_samples(results: Iterable[Result], parents: dict) -> Iterator[Result]:
+    """Results as they come, a job of n samples once its last sample is in (`merged_result`)."""
+    for r in results:
+        group = parents.get(r.id)
+        if group is None:
+            yield r
+            continue
+        group[1].append(r)
+        if len(group[1]) == group[0].n:
+            del parents[r.id]
+            yield merged_result(group[0], group[1])
 

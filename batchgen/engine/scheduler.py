@@ -26,6 +26,17 @@ churn: per-step overhead, not bandwidth, bounds it on a GPU
 - the next step is queued before the current tokens are read back, and the
   tokens of all rows come back in one transfer.
 
+A step of greedy rows returns its B tokens from the compiled step and nothing
+else. Rows that need the logits (sampling, a JSON schema, penalties or a bias,
+logprobs: `Job.needs_logits`) get them from the same step and pick outside it
+(`picking.RowPicking`): penalties as device-side state updated with each
+step's tokens, logprobs from the raw logits, read back with the tokens. A
+grammar row's mask needs its previous token: such a step is queued without
+its pick, the previous step is read back and the matchers take their tokens,
+then the masks are made on the host (over its cores) while the GPU runs the
+queued forward pass, and the pick is queued behind it. A job of n samples is
+n rows of one prompt, prefilled once, merged into one result as the last ends.
+
 Batched rows decode plainly. A verify pass over every row's drafts (prompt
 lookup in the batch) was measured slower than plain batched rows on an H200
 (bench/RESULTS.md#prompt-lookup-in-a-batch): a step of B rows already reads the weights once for
@@ -59,7 +70,8 @@ from ..decode.text import TextAssembler, error_result, failed_result, finished_r
 from ..decode.passes import generation_stream
 from .entering import start_prompts
 from ..jobs import BadJob, Job
-from ..decode.sampling import job_seed, make_keys, pick
+from ..decode.picking import RowPicking, SamplePicker, wants_picker
+from ..decode.sampling import job_seed, make_keys
 from ..stats import JobStats, Result, Timer
 from ..cache.turboquant import TurboQuantKVCache
 from ..cache.turboquant_rows import Layout, TurboQuantBatchLayer
@@ -89,6 +101,11 @@ def prefix_key(item) -> str:
     if messages is not None:
         return "".join(f"\x1e{m.get('role')}\x1f{m.get('content')}" for m in messages)
     return "\x1d" + (item.prompt or "")
+
+
+def _first_row(lp: tuple) -> tuple:
+    """Row 0 of `token_logprobs` arrays, read back: (logprob, top ids, top logprobs)."""
+    return tuple(None if a is None else a.tolist()[0] for a in lp)
 
 
 def read_ahead(source: Iterator, n: int) -> list:
@@ -153,9 +170,19 @@ class Row:
     live_from_step: int = 0  # this row's tokens from earlier steps were someone else's
     first_token_s: float | None = None
     done: bool = False
+    picker: SamplePicker | None = None  # where its tokens need more than the raw logits (`wants_picker`)
+    needs_logits: bool = False  # `Job.needs_logits`, read every step
 
-    def add(self, token: int) -> bool:
-        """Hand the job a generated token; True once it is finished."""
+    def add(self, token: int, logprobs: tuple | None = None, consume: bool = True) -> bool:
+        """Hand the job a generated token (and, where it asked, its logprob, its
+        top ids and logprobs); True once it is finished. `consume`: its grammar
+        matcher takes the token here (False: the step's matchers took theirs together)."""
+        p = self.picker
+        if p is not None:
+            if consume and p.matcher is not None and not p.matcher.is_stopped():
+                p.matcher.consume_token(token)
+            if p.entries is not None and logprobs is not None:
+                p.entries.add(token, *logprobs)
         return self.text.add(token)
 
     @property
@@ -169,6 +196,9 @@ class _Step:
     tokens: mx.array  # (B,) sampled, being evaluated
     step: int
     rows: list  # the rows at queue time, in batch order
+    logits: mx.array | None = None  # (B, vocab) until its rows that need them have picked (`_pick`)
+    t: list | None = None  # each row's token index at queue time (its sampling key)
+    logprobs: tuple | None = None  # `token_logprobs` arrays, where some row asked
 
 
 class BatchScheduler:
@@ -212,6 +242,10 @@ class BatchScheduler:
         # (bench/RESULTS.md#rows-kept-to-the-end).
         self.shrinks = not kernel
         self.freed: set[int] = set()  # rows freed since the last step
+        # Rows whose tokens need the logits (sampling, a grammar, penalties,
+        # logprobs): picked outside the compiled step; a batch of greedy rows
+        # without them reads back its B tokens and nothing else.
+        self.picking = RowPicking(batch_size, engine.vocab_size)
 
     @staticmethod
     def auto_size(kv_budget_bytes: int, per_token_bytes: int, tokens_per_job: int, cap: int = 256,
@@ -248,9 +282,14 @@ class BatchScheduler:
                      "(PLD runs at batch size 1)")  # fmt: skip
             self.logged_overrides = True
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
+        matcher = e.matcher_for(job)  # a schema that cannot compile fails here, before the job enters
+        picker = None
+        if wants_picker(job):
+            picker = SamplePicker(job, tokens, keys, matcher, e.grammars, e.token_text if job.logprobs else None)
+            self.picking.grammars = e.grammars
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
         stats = JobStats(draft="none", kv_cache=self.kv.kind, max_tokens_capped_from=capped_from)
-        return Row(job, tokens, 0, text, keys, stats, timer, queued=1)
+        return Row(job, tokens, 0, text, keys, stats, timer, queued=1, picker=picker, needs_logits=job.needs_logits)
 
     def _start(self, rows: list[Row]) -> tuple[list[Row], list[Result]]:
         """Prefill entering rows (together where they share a cached prefix) and
@@ -265,18 +304,25 @@ class BatchScheduler:
             starts = [self._start_one(r, plan) for r in rows]
         started = [r for r, s in zip(rows, starts) if not isinstance(s, Result)]
         failed = [s for s in starts if isinstance(s, Result)]
-        firsts = []
+        firsts, logprobs = [], []
         for row, start in zip(rows, starts):
             if isinstance(start, Result):
                 continue
             row.job_cache, row.cached, logits = start
             if logits is None:  # only the last prompt token is left: the next step feeds it
                 row.pending_input, row.queued = row.tokens[-1], 0
+            elif row.picker is not None:
+                row.stats.forward_passes += 1
+                token, lp = row.picker.pick(logits, 0)
+                firsts.append(token)
+                logprobs.append(lp)
             else:
                 firsts.append(pick_first(logits, row.job.sampling, row.keys, row.stats))
+                logprobs.append(None)
         values = mx.concatenate(firsts).tolist() if firsts else []
         for row in (r for r in started if r.pending_input is None):
-            row.done = row.add(values.pop(0))
+            lp = logprobs.pop(0)
+            row.done = row.add(values.pop(0), None if lp is None else _first_row(lp))
             row.first_token_s = row.timer.elapsed_s
         self.report["prompt_s"] += timer.elapsed_s
         self.report["jobs_started"] += len(rows)
@@ -313,6 +359,8 @@ class BatchScheduler:
             row.pending_input = row.text.token_ids[-1]
         row.live_from_step = self.step
         self.rows[index] = row
+        if row.job.logits.active:
+            self.picking.state.set_row(index, row.job.logits, row.tokens, row.text.token_ids)
 
     def _grow_left(self, need: int) -> None:
         grow = -(-need // _GROW_STEP) * _GROW_STEP
@@ -348,6 +396,7 @@ class BatchScheduler:
             _map_buffers(bc, lambda a: a[index], bc.ROWS)
             bc.offset, bc.left_padding = bc.offset[index], bc.left_padding[index]
         self.stepper.select(index)
+        self.picking.select(keep)
         self.pads = [self.pads[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         self.B = len(keep)
@@ -356,6 +405,7 @@ class BatchScheduler:
     def _free(self, i: int) -> None:
         self.rows[i] = None
         self.freed.add(i)
+        self.picking.state.clear_row(i)
 
     def _empty_freed(self) -> None:
         """Start each freed row that no job has taken at the write position: its
@@ -390,8 +440,8 @@ class BatchScheduler:
         return inputs
 
     def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array | None]:
-        """(greedy tokens, logits or None where every row is greedy) of one step."""
-        sample = any(r is not None and not r.job.sampling.greedy for r in self.rows)
+        """(greedy tokens, logits or None where no row needs them) of one step."""
+        sample = any(r is not None and r.needs_logits for r in self.rows)
         if self.compiled:
             try:
                 # the first step is evaluated at once: a kernel that fails to build fails here
@@ -408,40 +458,51 @@ class BatchScheduler:
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         return mx.argmax(logits, axis=-1), logits
 
-    def _sampled(self, tokens: mx.array, logits: mx.array | None) -> mx.array:
-        """`tokens` (B,), greedy, with each sampling row's own sample from its
-        `logits` row instead (its key for the token it is on)."""
-        for i, row in enumerate(self.rows):
-            if row is not None and not row.job.sampling.greedy:
-                key = row.keys[min(row.queued, row.keys.shape[0] - 1)]
-                tokens = mx.where(mx.arange(self.B) == i, pick(logits[i : i + 1], row.job.sampling, key), tokens)
-        return tokens
-
     def _queue_step(self, prev: _Step | None) -> _Step:
-        """Queue one forward pass over every row; nothing is read back."""
+        """Queue one forward pass over every row; nothing is read back. Where
+        a row follows a grammar its pick waits for `_pick` (after the previous
+        step's tokens are read back and its matcher has taken them); the
+        forward pass runs meanwhile."""
         self._empty_freed()
         tokens, logits = self._forward(self._inputs(prev))
-        tokens = self._sampled(tokens, logits)
+        step = _Step(tokens, self.step, list(self.rows), logits)
+        if logits is not None:
+            step.t = [0 if r is None else r.queued for r in self.rows]
         for row in self.rows:
             if row is not None:
                 row.queued += 1
                 row.stats.forward_passes += 1
-        mx.async_eval(tokens)
-        step = _Step(tokens, self.step, list(self.rows))
+        if logits is None:
+            mx.async_eval(tokens)
+        elif any(r is not None and r.picker is not None and r.picker.matcher is not None for r in step.rows):
+            mx.async_eval(logits)
+        else:
+            self._pick(step)
         self.step += 1
         self.report["steps"] += 1
         return step
 
+    def _pick(self, step: _Step) -> None:
+        """The step's tokens for rows that need its logits (`RowPicking.finish`), queued."""
+        valid = [r is not None and self.rows[i] is r for i, r in enumerate(step.rows)]
+        step.tokens, step.logprobs = self.picking.finish(step.rows, step.tokens, step.logits, valid, step.t)
+        step.logits = None
+        mx.async_eval(step.tokens, *[a for a in step.logprobs or () if a is not None])
+
     def _read(self, step: _Step) -> list[Result]:
         """Hand each live row its token; return the jobs that finished."""
         values = step.tokens.tolist()
+        lp = [None if a is None else a.tolist() for a in step.logprobs] if step.logprobs else None
+        live = [(i, r) for i, r in enumerate(step.rows) if r is not None and not r.done and step.step >= r.live_from_step]
+        matched = [(r.picker.matcher, values[i]) for i, r in live if r.picker is not None and r.picker.matcher is not None]
+        if matched:
+            self.engine.grammars.consume(matched)
         done = []
-        for i, row in enumerate(step.rows):
-            if row is None or row.done or step.step < row.live_from_step:
-                continue
+        for i, row in live:
             if row.first_token_s is None:
                 row.first_token_s = row.timer.elapsed_s
-            if row.add(values[i]):
+            row_lp = None if lp is None else (lp[0][i], *(None if a is None else a[i] for a in lp[1:]))
+            if row.add(values[i], row_lp, consume=False):
                 row.done = True
                 done.append(self._finish(row))
                 self._free(self.rows.index(row))
@@ -449,8 +510,12 @@ class BatchScheduler:
 
     def _finish(self, row: Row) -> Result:
         row.stats.kv_bytes = (len(row.tokens) + row.text.completion_tokens) * self.per_token + self.per_row
-        return finished_result(row.job, row.text, row.stats, len(row.tokens), row.cached,
-                               row.first_token_s, row.timer.elapsed_s)  # fmt: skip
+        result = finished_result(row.job, row.text, row.stats, len(row.tokens), row.cached,
+                                 row.first_token_s, row.timer.elapsed_s)  # fmt: skip
+        result.sample = row.job.sample
+        if row.picker is not None:
+            result.logprobs = row.picker.logprobs(set(self.engine.tokenizer.eos_token_ids))
+        return result
 
     def _next_item(self, waiting: list, source: Iterator):
         if waiting:
@@ -514,6 +579,8 @@ class BatchScheduler:
                 if prev is not None:
                     yield from self._read(prev)
                     yield from self._admit(waiting, source)
+                if cur is not None and cur.logits is not None:
+                    self._pick(cur)  # its grammar rows' masks: their matchers have the tokens just read
                 prev = cur
                 if self.step % _COMPACT_EVERY == 0:
                     self._compact()

@@ -1,0 +1,117 @@
+"""JSON-schema constrained decoding: a token mask per step from llguidance.
+
+Why llguidance (bench/grammar_masks.py, bench/RESULTS.md "Structured output"):
+of the three engines made for this, it was the only one whose masks let no
+invalid instance of the tested schema features through (what it cannot
+enforce, such as `uniqueItems`, it refuses at compile time: that job's error
+line, before any generation); xgrammar let `allOf` and `uniqueItems` pass
+unenforced and outlines-core also number bounds and `multipleOf`. It compiles a
+schema in ~1 ms (outlines-core: 0.2-1.3 s a schema, which a file of per-job
+schemas would pay per job), and it is one abi3 wheel with no dependencies,
+which carries to a machine without a package index (xgrammar needs torch,
+triton and transformers). Its masks cost more per row-token than xgrammar's
+(87 against 35 us at a 100k vocabulary, 35 against 2 us at the demo's 4k, on
+a 2-core CPU, 2026-12-03): the scheduler makes them while the GPU runs the
+step they are for, and `LLExecutor` spreads a batch's rows over the host's
+cores. JSON rows measured below 0.85x of free rows on the H200 bench
+(`batchgen bench --features`) would reopen the choice.
+
+Optional: `pip install 'batchgen[grammar]'`; without it a job that asks for a
+schema gets one error line saying so, and everything else runs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+
+from .text import JobRunError
+
+INSTALL_HINT = "pip install 'batchgen[grammar]' (llguidance)"
+# One line, Python's `json.dumps` spacing: with free whitespace a model can spend
+# its max_tokens on blanks between tokens (the demo model does, greedily); a
+# schema's own "x-guidance" options still override this.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class Grammars:
+    """Compiles jobs' JSON schemas for one tokenizer and model vocabulary (the
+    logits' width, which may exceed the tokenizer's: ids past it are never
+    allowed). Built on first use, once an engine (the tokenizer costs ~1 s at
+    a 150k vocabulary)."""
+
+    def __init__(self, tokenizer, vocab: int):
+        try:
+            import llguidance
+        except ImportError:
+            raise JobRunError("grammar_unavailable", f"response_format needs a grammar engine: {INSTALL_HINT}") from None
+        self.lib = llguidance
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise JobRunError("grammar_unavailable", "response_format needs a fast (tokenizers) tokenizer")
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        eos = sorted(tokenizer.eos_token_ids)
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=eos)
+        self.executor = llguidance.LLExecutor()
+        self.vocab = vocab
+        self.words = (vocab + 31) // 32
+        self.eos = eos
+        self._compiled: dict[str, str] = {}
+
+    def matcher(self, schema: str):
+        """A fresh matcher for `schema` (JSON text); `JobRunError` if it does not compile."""
+        grammar = self._compiled.get(schema)
+        if grammar is None:
+            try:
+                grammar = self.lib.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            except ValueError as e:
+                raise JobRunError("invalid_schema", f"the JSON schema cannot be used: {e}") from None
+        m = self.lib.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise JobRunError("invalid_schema", f"the JSON schema cannot be used: {m.get_error()}")
+        self._compiled[schema] = grammar
+        return m
+
+    def fill(self, matchers: list, out: np.ndarray) -> None:
+        """Each (matcher, row) pair's mask into row `row` of `out` (rows, words)
+        int32, in parallel over the host's cores. A matcher in an error state
+        (never, with its own masks applied) allows only EOS, so the job ends."""
+        good = [(m, i) for m, i in matchers if not m.is_error()]
+        if good:
+            self.executor.unsafe_compute_mask_ptr(good, out.ctypes.data, self.words * 4, out.shape[0])
+        for m, i in matchers:
+            if m.is_error():
+                out[i] = 0
+                for t in self.eos:
+                    out[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+
+    def consume(self, pairs: list) -> None:
+        """Each (matcher, token) pair's matcher takes its token, in parallel over
+        the host's cores; a finished matcher (the JSON closed) takes nothing more."""
+        pairs = [(m, t) for m, t in pairs if not m.is_stopped()]
+        if pairs:
+            self.executor.consume_token_par(pairs)
+
+    def masks(self, rows: int) -> np.ndarray:
+        """A host buffer for `rows` masks, every token allowed."""
+        return np.full((rows, self.words), -1, np.int32)
+
+
+def apply_masks(logits: mx.array, masks: np.ndarray) -> mx.array:
+    """Logits (rows, vocab) with each row's disallowed tokens at -inf; `masks`
+    (rows, words) int32 bitmasks, bit t % 32 of word t // 32 for token t.
+
+    >>> apply_masks(mx.zeros((2, 3)), np.array([[0b101], [-1]], np.int32)).tolist()
+    [[0.0, -inf, 0.0], [0.0, 0.0, 0.0]]
+    """
+    vocab = logits.shape[-1]
+    if masks.shape[1] * 32 < vocab:  # logits wider than the tokenizer's words: the rest never allowed
+        masks = np.pad(masks, [(0, 0), (0, -(-vocab // 32) - masks.shape[1])])
+    ids = mx.arange(vocab, dtype=mx.uint32)
+    words = mx.take(mx.array(masks.view(np.uint32)), ids // 32, axis=1)  # (rows, vocab)
+    allowed = ((words >> (ids % 32)) & 1).astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))

@@ -1,0 +1,122 @@
+"""Per-token log-probabilities in OpenAI's shape.
+
+A token's logprob is log_softmax of the model's raw logits at its position
+(float32), before any penalty, bias, grammar mask, temperature or top-p/k/min-p
+filter: what the model gives the token, whatever picked it. Under PLD a
+verified draft token's logprob comes from the verify pass's row at that
+position, the same distribution a plain step there computes.
+
+`token_logprobs` stays on the device (lazy) and is read back with the tokens;
+`Entries` turns the numbers into `choices[].logprobs.content[]` entries:
+`token`, `logprob`, `bytes`, `top_logprobs` (the k most likely tokens there).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple:
+    """(logprob of each row's token (rows,), top-k ids (rows, k), their logprobs
+    (rows, k), most likely first), lazy; k = 0 gives no top-k arrays.
+
+    >>> lp, ids, top = token_logprobs(mx.log(mx.array([[0.5, 0.25, 0.25]])), mx.array([1]), 1)
+    >>> round(lp.item(), 4), ids.tolist(), round(top.item(), 4)
+    (-1.3863, [[0]], -0.6931)
+    """
+    x = logits.astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens.astype(mx.int32).reshape(-1, 1), axis=-1)[:, 0]
+    if k <= 0:
+        return chosen, None, None
+    ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(lp, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return chosen, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+
+
+class TokenText:
+    """Each token id's bytes and text (cached): byte-level BPE pieces mapped back
+    through GPT-2's byte alphabet, SentencePiece's `<0xAB>` and `▁`, else the
+    tokenizer's own decoding of the single token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+        self.byte_level = _is_byte_level(tokenizer)
+        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.undo = {c: b for b, c in bytes_to_unicode().items()}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        hit = self.cache.get(token)
+        if hit is None:
+            raw = self._bytes(token)
+            hit = self.cache[token] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return hit
+
+    def _bytes(self, token: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token) if token not in self.special else None
+        if piece is None:
+            return self.tokenizer.decode([token]).encode("utf-8")
+        if self.byte_level and all(c in self.undo for c in piece):
+            return bytes(self.undo[c] for c in piece)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.tokenizer.decode([token]).encode("utf-8")
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return "ByteLevel" in repr(decoder)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, as byte-level BPE vocabularies spell bytes.
+
+    >>> m = bytes_to_unicode(); m[ord("a")], m[ord(" ")], len(set(m.values()))
+    ('a', 'Ġ', 256)
+    """
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class Entries:
+    """A sample's logprob entries, filled token by token as they are read back."""
+
+    def __init__(self, text: TokenText, k: int):
+        self.text, self.k = text, k
+        self.content: list[dict] = []
+        self.ids: list[int] = []
+
+    def add(self, token: int, logprob: float, top_ids=None, top_lps=None) -> None:
+        self.ids.append(token)
+        s, b = self.text(token)
+        top = []
+        for t, v in zip(top_ids or [], top_lps or []):
+            ts, tb = self.text(t)
+            top.append({"token": ts, "logprob": v, "bytes": tb})
+        self.content.append({"token": s, "logprob": logprob, "bytes": b, "top_logprobs": top[: self.k]})
+
+    def add_rows(self, tokens: list[int], arrays: tuple, rows: int | None = None) -> None:
+        """Entries for `tokens` from `token_logprobs` arrays (read back here), row i for token i."""
+        chosen, ids, vals = arrays
+        n = len(tokens) if rows is None else rows
+        chosen = chosen.tolist()[:n]
+        ids = ids.tolist()[:n] if ids is not None else [None] * n
+        vals = vals.tolist()[:n] if vals is not None else [None] * n
+        for t, c, i, v in zip(tokens, chosen, ids, vals):
+            self.add(t, c, i, v)
+
+    def result(self, eos: set) -> list[dict]:
+        """The entries, less a closing EOS (OpenAI's content ends with the text)."""
+        return self.content[:-1] if self.ids and self.ids[-1] in eos else self.content
