@@ -627,7 +627,7 @@ def run_features(cfg: BenchConfig, batch_sizes: list, n_jobs: int = 256, n_promp
     `on_result(result)`: called after each part (a run cut short keeps them)."""
     _, tokenizer, engine, _ = load_pair(cfg, plain=False)
     base, _ = bench_jobs(cfg, tokenizer)
-    jobs = _repeat_jobs(base, n_jobs)
+    jobs = repeat_jobs(base, n_jobs)
     schema = json.dumps(FEATURE_SCHEMA, sort_keys=True)
     variants = {
         "free": jobs,

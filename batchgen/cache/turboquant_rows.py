@@ -3,7 +3,7 @@
 A batch of long jobs holds B rows of KV: in fp16 that, not the weights, bounds
 how many rows fit. Here each layer keeps every row's positions as TurboQuant
 codes (`turboquant.quantize`: ~0.27x the bytes at 4 bits) in buffers laid out
-as the fp16 batch's: rows right-aligned at the write position `_idx`, row b's
+as the fp16 batch's: rows right-aligned at the write position (`write_position`), row b's
 position j at column left_padding[b] + j, capacity grown in `CAPACITY_STEP`s.
 
 Attention reads what `TurboQuantKVCache` reads, so a job's greedy text is the
@@ -11,7 +11,7 @@ one it gets alone: position j < S (the sinks) and the query's window
 p - window < j <= p exactly, every other position from its codes. The exact
 copies that takes are small per row: `sink_keys`/`sink_values` (B, H, S, D),
 `tail_keys`/`tail_values` (B, H, window - 1, D) for the columns just before
-`_idx`, and the step's own window of `window` slots (`compiled_step`), which is
+`write_position`, and the step's own window of `window` slots (`compiled_step`), which is
 encoded into the big buffers each time it fills. Flushing that often means no
 window slot is ever old enough to be read from its codes: within a step the
 codes come from the big buffers alone.
