@@ -7,7 +7,7 @@ import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine.core import Engine
-from batchgen.decode.pld import DraftPolicy, find_draft
+from batchgen.decode.drafts import DraftPolicy, find_draft
 
 from test_engine import USER_TEXTS, make_job
 from tiny import ARCHS
@@ -85,7 +85,7 @@ def test_best_start_ranks_as_a_plain_scan_does():
     the latest on ties; periodic text (many full agreements) and random text."""
     import random
 
-    from batchgen.decode.pld import _RANK_CONTEXT, _best_start
+    from batchgen.decode.drafts import _RANK_CONTEXT, _best_start
 
     def reference(a, starts, n):
         def agree(s):
@@ -110,7 +110,7 @@ def test_best_start_ranks_as_a_plain_scan_does():
 def test_ngram_index_equals_find_draft_on_random_sequences():
     import random
 
-    from batchgen.decode.pld import NgramIndex
+    from batchgen.decode.drafts import NgramIndex
 
     rng = random.Random(0)
     for trial in range(30):

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from ..cache.factory import CACHE_CLASSES, make_kv_cache
 from ..cache.fp16 import DEFAULT_MAX_QUERIES, as_fp16
 from ..decode import pld
+from ..decode.drafts import DraftPolicy
 from ..transforms.attention import route_attention
 from ..config import DEFAULT_MAX_TOKENS, EngineConfig, JobPlan, KVConfig
 from ..jobs import BadJob, Job
@@ -189,7 +190,7 @@ class Engine:
         self.prewarm_info = {"tokens": 0, "seconds": 0.0, "source": None}
         self.batch_report: dict = {}  # the last run's rows (and, batched, its steps and prompt time)
         self.batch_steps: dict = {}  # compiled batch steps (kept across runs: recording costs)
-        self.draft_policy = pld.DraftPolicy(adaptive=config.decode.pld_adaptive)
+        self.draft_policy = DraftPolicy(adaptive=config.decode.pld_adaptive)
         self.short_attention = short_attention_wanted(config.short_attention)
         self.kv_budget_bytes = config.kv_budget_bytes or default_kv_budget()
         # Read once a run: on CUDA `mx.device_info()` asks the driver (free

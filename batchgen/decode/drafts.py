@@ -1,0 +1,212 @@
+"""Prompt lookup's drafting: the n-gram search over the context (pure functions over
+token lists, tested with literal arrays) and the adaptive policy that decides whether a
+draft is worth a verify pass on this device (decode/pld.py runs the verify loop).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+
+# How far back a candidate's context is compared when ranking n-gram matches.
+_RANK_CONTEXT = 32
+
+
+def find_draft(tokens: Sequence[int], ngram_size: int, max_lookup: int) -> list[int]:
+    """Up to `max_lookup` tokens that followed an earlier occurrence of the
+    context's last n-gram.
+
+    Search order: n from `ngram_size` down to 1 (a longer n-gram is a more
+    specific match); among the (at most 64 most recent) earlier occurrences of
+    that n-gram, the one whose preceding tokens agree with the context's for
+    longest (up to 32 back), the most recent of those on ties (edits move
+    forward through their source, so recent matches continue best).
+
+    Worked example, ngram_size=3, max_lookup=3:
+
+        tokens = [5, 1, 2, 3, 9, 7, 1, 2, 3, 4, 6, 8, 1, 2, 3]
+                     ^^^^^^^           ^^^^^^^           ^^^^^^^ the 3-gram
+        Earlier [1, 2, 3] occur at 1 and 6. Context before them: tokens[0]=5
+        and tokens[5]=7; before the suffix: tokens[11]=8. Neither agrees, so
+        both rank 0 and the most recent (6) wins: draft = [4, 6, 8].
+
+    >>> find_draft([5, 1, 2, 3, 9, 7, 1, 2, 3, 4, 6, 8, 1, 2, 3], 3, 3)
+    [4, 6, 8]
+    >>> find_draft([1, 2, 3], 2, 5)  # no earlier occurrence of [2, 3] or [3]
+    []
+
+    A match right behind the suffix continues periodically into the draft:
+
+    >>> find_draft([8, 1, 2, 1, 2], 2, 5)  # [1, 2] at 1, then the copy repeats
+    [1, 2, 1, 2, 1]
+
+    `NgramIndex` gives the same answers incrementally, for decoding loops.
+    """
+    if max_lookup <= 0 or len(tokens) < 2:
+        return []
+    a = list(tokens)
+    for n in range(min(ngram_size, len(a) - 1), 0, -1):
+        suffix = a[-n:]
+        starts = [i for i in range(len(a) - n) if a[i : i + n] == suffix]
+        if starts:
+            return _continuation(a, _best_start(a, starts[-_MAX_CANDIDATES:], n) + n, max_lookup)
+    return []
+
+
+_MAX_CANDIDATES = 64  # the most recent occurrences of an n-gram that are ranked
+
+
+def _best_start(a: list[int], starts: list[int], n: int) -> int:
+    """The candidate with the longest agreeing context before it, latest on ties."""
+    suffix_start = len(a) - n
+    context = a[suffix_start - _RANK_CONTEXT : suffix_start] if suffix_start >= _RANK_CONTEXT else None
+    best, best_agree = starts[-1], -1
+    for s in reversed(starts):  # latest first, so ties keep the latest
+        if context is not None and s >= _RANK_CONTEXT and a[s - _RANK_CONTEXT : s] == context:
+            return s  # agrees as far back as ranking looks: no earlier one can beat it
+        agree = 0
+        while agree < _RANK_CONTEXT and s - agree - 1 >= 0 and a[s - agree - 1] == a[suffix_start - agree - 1]:
+            agree += 1
+        if agree > best_agree:
+            best, best_agree = s, agree
+    return best
+
+
+def _continuation(a: list[int], start: int, length: int) -> list[int]:
+    """`length` tokens copied from `start`, running on into the copy itself
+    when the source reaches the end (LZ77's overlapping copy), so a match
+    close behind the suffix still drafts a full, periodic continuation."""
+    out = a[start : start + length]
+    period = len(a) - start
+    while len(out) < length:
+        out.append(out[len(out) - period])
+    return out
+
+
+class NgramIndex:
+    """`find_draft` over a growing token list, without rescanning it: the
+    start positions of every n-gram (n <= ngram_size) are kept in a dict, so
+    a lookup costs O(candidates), not O(context)."""
+
+    def __init__(self, tokens: Sequence[int], ngram_size: int):
+        self.tokens: list[int] = []
+        self.ngram_size = ngram_size
+        self._starts: list[dict] = [{} for _ in range(ngram_size + 1)]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(t)
+            end = len(self.tokens)
+            for n in range(1, min(self.ngram_size, end) + 1):
+                self._starts[n].setdefault(tuple(self.tokens[end - n : end]), []).append(end - n)
+
+    def truncate(self, length: int) -> None:
+        """Drop tokens from the end, back to `length` (their n-grams were the
+        latest entries of their lists)."""
+        while len(self.tokens) > length:
+            end = len(self.tokens)
+            for n in range(1, min(self.ngram_size, end) + 1):
+                key = tuple(self.tokens[end - n : end])
+                starts = self._starts[n][key]
+                starts.pop()
+                if not starts:
+                    del self._starts[n][key]
+            self.tokens.pop()
+
+    def draft(self, max_lookup: int) -> list[int]:
+        a = self.tokens
+        if max_lookup <= 0 or len(a) < 2:
+            return []
+        for n in range(min(self.ngram_size, len(a) - 1), 0, -1):
+            starts = self._starts[n].get(tuple(a[-n:]), [])[-_MAX_CANDIDATES - 1 : -1]
+            if starts:  # the list's last entry is the suffix itself
+                return _continuation(a, _best_start(a, starts, n) + n, max_lookup)
+        return []
+
+
+# ---------------------------------------------------------------------------
+# The draft policy: when does a verify pass pay on this device?
+
+
+@dataclass
+class Ema:
+    """An exponential moving average (None until the first value)."""
+
+    value: float | None = None
+    weight: float = 0.2
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+
+
+@dataclass
+class DraftPolicy:
+    """Run-wide measurements that decide whether drafts are worth verifying.
+
+    All three are realized figures, not a model of them: the seconds a plain
+    token takes (pipelined steps), the seconds a verify pass takes (syncs and
+    mispredicted pipelined passes included), and the tokens a verify pass
+    yields. A job verifies while its expected tokens per pass, per second of
+    a pass, beat plain tokens per second by `margin`. Drafts it skips are
+    scored against what the model then writes, so the job keeps learning
+    what a verify would have yielded and turns drafting back on when it pays.
+    """
+
+    plain_token_s: Ema = field(default_factory=Ema)
+    verify_pass_s: Ema = field(default_factory=Ema)
+    tokens_per_pass: Ema = field(default_factory=lambda: Ema(weight=0.05))
+    adaptive: bool = True  # False: verify every draft found
+    calibrated: bool = False
+    margin: float = 1.05
+    job_prior_passes: float = 4.0  # weight of the run's tokens-per-pass in a job's estimate
+    explore_every: int = 64  # skipped drafts between forced verifies (keeps costs measured)
+    # After a skipped draft, plain tokens before the next look (a switch drains the
+    # pipeline). 4, 8 and 16 measured the same (bench/RESULTS.md#prompt-lookup);
+    # 4 looks again soonest.
+    min_plain_tokens: int = 4
+    accepted: int = 0  # draft tokens accepted, run-wide (for the record)
+    drafted: int = 0
+
+    def worth(self, job_tokens: float, job_passes: float, skipped: int) -> bool:
+        """Verify the draft at hand? `job_*`: this job's (shadow-)verify record."""
+        if not self.adaptive:
+            return True
+        plain, verify = self.plain_token_s.value, self.verify_pass_s.value
+        prior = self.tokens_per_pass.value
+        if plain is None or verify is None or prior is None:
+            return True  # nothing measured yet: try
+        w = self.job_prior_passes
+        expected = (job_tokens + w * prior) / (job_passes + w)
+        if expected / verify > self.margin / plain:
+            return True
+        return skipped > 0 and skipped % self.explore_every == 0
+
+    def calibrate(self, model, cache: list, token: int, lengths: list[int], steps: int = 6) -> None:
+        """Time plain pipelined steps and verify passes of `lengths` tokens on
+        a scratch copy of `cache`, so the first job's decisions already rest
+        on this device's costs (a few passes, once per run)."""
+        from ..cache.pool import clone_cache
+
+        scratch = clone_cache(cache)
+        y = mx.array([token])
+        for timed in (False, True):  # the first round warms up kernels
+            start = time.perf_counter()
+            for _ in range(steps):
+                y = mx.argmax(model(y[None], cache=scratch)[:, -1, :], axis=-1)
+                mx.async_eval(y)
+            y.item()
+            if timed:
+                self.plain_token_s.add((time.perf_counter() - start) / steps)
+            for length in lengths:
+                start = time.perf_counter()
+                mx.eval(mx.argmax(model(mx.array([token] * length)[None], cache=scratch), axis=-1))
+                if timed:
+                    self.verify_pass_s.add(time.perf_counter() - start)
+        self.calibrated = True
