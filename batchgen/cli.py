@@ -307,7 +307,7 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
         tokenizer_path=Path(model) if (shape and model) else None, pld_policy=policy,
     )  # fmt: skip
     if features:
-        from .bench import run_features
+        from .bench_features import run_features
 
         try:
             n_prompts, n_samples, prompt_tokens = (int(x) for x in samples_spec.lower().split("x"))

@@ -21,7 +21,19 @@ from typing import Any, Iterator
 
 import orjson
 
-from .config import DRAFT_KINDS, KV_BITS, KV_CACHE_KINDS, LogitsConfig, SamplingConfig
+from .config import LogitsConfig, SamplingConfig
+from .job_fields import (
+    CHAT_BODY_KEYS,
+    COMPLETION_BODY_KEYS,
+    DEFAULT_KEYS,
+    FIELD_CHECKS,
+    NATIVE_KEYS,
+    OPENAI_UNSUPPORTED,
+    InvalidJob,
+    is_int,
+    reject_unknown,
+    top_logprobs,
+)
 
 NATIVE, CHAT, COMPLETION = "native", "chat", "completion"
 OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
@@ -30,14 +42,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class JobFileError(Exception):
     """The job file as a whole cannot be used (exit code 2)."""
-
-
-class InvalidJob(ValueError):
-    """One job line is invalid; `kind` is the error type written to its result."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -89,205 +93,6 @@ class BadJob:
     metadata: Any = None
 
 
-# ---------------------------------------------------------------------------
-# Field validation: one small checker per key, shared by both formats.
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (isinstance(v, (int, float))) and not isinstance(v, bool)
-
-
-def _check(ok: bool, key: str, want: str, value) -> None:
-    if not ok:
-        raise InvalidJob("invalid_value", f"'{key}' must be {want}, got {value!r}")
-
-
-# No model reads this many tokens; past it a number is a typo, not a request.
-# Below it, the engine caps a job at the model's context (see Engine.token_budget).
-MAX_TOKENS_LIMIT = 1 << 24
-SEED_LIMIT = 1 << 32  # sampling keys hold 32 bits of seed: a larger one would alias
-
-
-def _max_tokens(key, v):
-    _check(_is_int(v) and 0 < v <= MAX_TOKENS_LIMIT, key, f"an integer in 1..{MAX_TOKENS_LIMIT}", v)
-    return v
-
-
-def _temperature(key, v):
-    _check(_is_number(v) and v >= 0, key, "a number >= 0", v)
-    return float(v)
-
-
-def _top_p(key, v):
-    _check(_is_number(v) and 0 < v <= 1, key, "a number in (0, 1]", v)
-    return float(v)
-
-
-def _min_p(key, v):
-    _check(_is_number(v) and 0 <= v <= 1, key, "a number in [0, 1]", v)
-    return float(v)
-
-
-def _non_negative_int(key, v):
-    _check(_is_int(v) and v >= 0, key, "an integer >= 0", v)
-    return v
-
-
-def _positive_int(key, v):
-    _check(_is_int(v) and v > 0, key, "a positive integer", v)
-    return v
-
-
-def _seed(key, v):
-    _check(_is_int(v) and 0 <= v < SEED_LIMIT, key, f"an integer in 0..{SEED_LIMIT - 1}", v)
-    return v
-
-
-def _stop(key, v):
-    if isinstance(v, str):
-        v = [v]
-    _check(
-        isinstance(v, list) and all(isinstance(s, str) and s for s in v),
-        key,
-        "a non-empty string or a list of them",
-        v,
-    )
-    return tuple(v)
-
-
-def _choice(options):
-    def check(key, v):
-        _check(v in options, key, "one of " + ", ".join(map(repr, options)), v)
-        return v
-
-    return check
-
-
-def _any(key, v):
-    return v
-
-
-def _bool(key, v):
-    _check(isinstance(v, bool), key, "true or false", v)
-    return v
-
-
-MAX_N = 128  # OpenAI's own bound on samples per request
-MAX_TOP_LOGPROBS = 20
-
-
-def _n(key, v):
-    _check(_is_int(v) and 1 <= v <= MAX_N, key, f"an integer in 1..{MAX_N}", v)
-    return v
-
-
-def _top_logprobs(key, v):
-    _check(_is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS, key, f"an integer in 0..{MAX_TOP_LOGPROBS}", v)
-    return v
-
-
-def _penalty(key, v):
-    _check(_is_number(v) and -2 <= v <= 2, key, "a number in [-2, 2]", v)
-    return float(v)
-
-
-def _positive_number(key, v):
-    _check(_is_number(v) and v > 0, key, "a number > 0", v)
-    return float(v)
-
-
-def _logit_bias(key, v):
-    """{"token id": bias in [-100, 100]} -> ((id, bias), ...) by id."""
-    _check(isinstance(v, dict), key, "an object of token ids to numbers", v)
-    out = {}
-    for k, b in v.items():
-        _check(isinstance(k, str) and k.isdigit(), f"{key} key", "a token id (digits)", k)
-        _check(_is_number(b) and -100 <= b <= 100, f"{key}[{k!r}]", "a number in [-100, 100]", b)
-        out[int(k)] = float(b)
-    return tuple(sorted(out.items()))
-
-
-JSON_OBJECT_SCHEMA = '{"type":"object"}'
-
-
-def _schema_text(key, schema) -> str:
-    _check(isinstance(schema, (dict, bool)), key, "a JSON schema (an object)", schema)
-    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
-
-
-def _response_format(key, v):
-    """OpenAI's response_format -> the schema text to constrain to, or None (text)."""
-    _check(isinstance(v, dict) and isinstance(v.get("type"), str), key, "an object with a 'type'", v)
-    kind = v["type"]
-    if kind == "text":
-        _reject_unknown(v, {"type"}, f"{key}.")
-        return None
-    if kind == "json_object":
-        _reject_unknown(v, {"type"}, f"{key}.")
-        return JSON_OBJECT_SCHEMA
-    if kind == "json_schema":
-        _reject_unknown(v, {"type", "json_schema"}, f"{key}.")
-        spec = v.get("json_schema")
-        _check(isinstance(spec, dict) and "schema" in spec, f"{key}.json_schema", "an object with a 'schema'", spec)
-        _reject_unknown(spec, {"name", "schema", "strict", "description"}, f"{key}.json_schema.")
-        return _schema_text(f"{key}.json_schema.schema", spec["schema"])
-    raise InvalidJob("invalid_value", f"'{key}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-
-
-# key -> checker; the same names and meanings in native jobs, header defaults
-# and OpenAI bodies (where they exist there).
-FIELD_CHECKS = {
-    "max_tokens": _max_tokens,
-    "temperature": _temperature,
-    "top_p": _top_p,
-    "top_k": _non_negative_int,
-    "min_p": _min_p,
-    "seed": _seed,
-    "stop": _stop,
-    "metadata": _any,
-    "draft": _choice(DRAFT_KINDS),
-    "pld_ngram_size": _positive_int,
-    "pld_max_lookup": _non_negative_int,
-    "kv_cache": _choice(KV_CACHE_KINDS),
-    "kv_bits": _choice(KV_BITS),
-    "n": _n,
-    "logprobs": _bool,
-    "top_logprobs": _top_logprobs,
-    "presence_penalty": _penalty,
-    "frequency_penalty": _penalty,
-    "repetition_penalty": _positive_number,
-    "repetition_context_size": _positive_int,
-    "logit_bias": _logit_bias,
-    "response_format": _response_format,
-    "json_schema": _schema_text,  # native shorthand for a json_schema response_format
-}
-NATIVE_KEYS = {"id", "messages", "prompt", *FIELD_CHECKS}
-DEFAULT_KEYS = set(FIELD_CHECKS) - {"metadata"}
-_OPENAI_SHARED = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "user",
-    "metadata", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-}  # fmt: skip
-CHAT_BODY_KEYS = _OPENAI_SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
-COMPLETION_BODY_KEYS = _OPENAI_SHARED | {"prompt"}
-# Keys OpenAI's bodies allow that batchgen does not do: named as such, not as typos.
-OPENAI_UNSUPPORTED = {
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio", "modalities",
-    "prediction", "web_search_options", "reasoning_effort", "verbosity", "stream", "stream_options",
-    "store", "service_tier", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix",
-}  # fmt: skip
-
-
-def _reject_unknown(obj: dict, allowed: set, where: str = "") -> None:
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        names = ", ".join(repr(where + k) for k in unknown)
-        raise InvalidJob("unknown_key", f"unknown key {names}")
-
-
 def _content_text(content, index: int) -> str:
     """A message's content: a string, or OpenAI-style text parts joined."""
     if isinstance(content, str):
@@ -316,7 +121,7 @@ def _messages(v) -> tuple:
     for i, m in enumerate(v):
         if not isinstance(m, dict):
             raise InvalidJob("invalid_job", f"messages[{i}] must be an object")
-        _reject_unknown(m, {"role", "content", "name"}, f"messages[{i}].")
+        reject_unknown(m, {"role", "content", "name"}, f"messages[{i}].")
         role = m.get("role")
         if role not in ROLES:
             raise InvalidJob(
@@ -406,7 +211,7 @@ class Defaults:
 
 def _native_job(obj: dict, line: int, d: Defaults) -> Job:
     job_id = _job_id(obj, line)
-    _reject_unknown(obj, NATIVE_KEYS)
+    reject_unknown(obj, NATIVE_KEYS)
     has_messages, has_prompt = "messages" in obj, "prompt" in obj
     if has_messages == has_prompt:
         raise InvalidJob(
@@ -425,13 +230,13 @@ def _job_id(obj: dict, line: int) -> str:
     v = obj["id"]
     if isinstance(v, str) and v:
         return v
-    if _is_int(v):
+    if is_int(v):
         return str(v)
     raise InvalidJob("invalid_value", f"'id' must be a non-empty string, got {v!r}")
 
 
 def _openai_job(obj: dict, line: int, d: Defaults) -> Job:
-    _reject_unknown(obj, {"custom_id", "method", "url", "body"})
+    reject_unknown(obj, {"custom_id", "method", "url", "body"})
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise InvalidJob("invalid_value", "'custom_id' must be a non-empty string")
@@ -447,14 +252,14 @@ def _openai_job(obj: dict, line: int, d: Defaults) -> Job:
     unsupported = sorted(set(body) & OPENAI_UNSUPPORTED)
     if unsupported:
         raise InvalidJob("unsupported", f"'body.{unsupported[0]}' is not supported by batchgen")
-    _reject_unknown(body, CHAT_BODY_KEYS if fmt == CHAT else COMPLETION_BODY_KEYS, "body.")
+    reject_unknown(body, CHAT_BODY_KEYS if fmt == CHAT else COMPLETION_BODY_KEYS, "body.")
     body = dict(body)
     if "max_completion_tokens" in body:
         body["max_tokens"] = body.pop("max_completion_tokens")
     if fmt == COMPLETION and "logprobs" in body:  # the legacy endpoint's logprobs: how many alternatives
         top = body.pop("logprobs")
         if top is not None:
-            body["logprobs"], body["top_logprobs"] = True, _top_logprobs("body.logprobs", top)
+            body["logprobs"], body["top_logprobs"] = True, top_logprobs("body.logprobs", top)
     settings = _settings(body, d.header.defaults)
     model = body.get("model") if isinstance(body.get("model"), str) else None
     if fmt == CHAT:
@@ -484,7 +289,7 @@ def parse_job(raw: bytes, line: int, file_format: str, d: Defaults) -> Job | Bad
         return BadJob(str(line), line, file_format, "invalid_job", f"a job must be a JSON object, got {kind}")
     key = obj.get("custom_id") if file_format != NATIVE else obj.get("id")
     fallback_id = key if isinstance(key, str) and key else str(line)
-    if _is_int(key):
+    if is_int(key):
         fallback_id = str(key)
     if "batchgen" in obj:
         return BadJob(fallback_id, line, file_format, "invalid_job", "a header line is only allowed as the first line")

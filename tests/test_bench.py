@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from batchgen.bench import _runs_in_turn, median_index, prefix_agreement
+from batchgen.bench import median_index, prefix_agreement, runs_in_turn
 from batchgen.cli import main
 
 from test_cli import good_jobs, write_jobs
@@ -139,7 +139,7 @@ def test_median_index_takes_the_lower_middle_run():
 def test_runs_in_turn_reverses_the_order_every_other_round():
     order = []
     sides = {name: (lambda name=name: order.append(name) or f"{name}{len(order)}") for name in ("plain", "pld", "none")}
-    runs = _runs_in_turn(3, sides)
+    runs = runs_in_turn(3, sides)
     assert order == ["plain", "pld", "none", "none", "pld", "plain", "plain", "pld", "none"]
     assert runs == {"plain": ["plain1", "plain6", "plain7"], "pld": ["pld2", "pld5", "pld8"],
                     "none": ["none3", "none4", "none9"]}  # fmt: skip

@@ -15,7 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from batchgen.config import DEMO_MODEL_DIR, DecodeConfig, EngineConfig, LogitsConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine.core import Engine
-from batchgen.jobs import JSON_OBJECT_SCHEMA, NATIVE, Job
+from batchgen.job_fields import JSON_OBJECT_SCHEMA
+from batchgen.jobs import NATIVE, Job
 
 pytest.importorskip("llguidance")
 

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "batchgen"
 RANKS = {
     "batchgen.config": 0,  # contracts: no MLX
     "batchgen.jobs": 0,
+    "batchgen.job_fields": 0,
     "batchgen.output": 0,
     "batchgen.stats": 0,
     "batchgen.turboquant": 9,  # leaves: TurboQuant's maths (codec, reference), kernels, then caches and
@@ -30,6 +31,7 @@ RANKS = {
     "batchgen.engine.core": 22,
     "batchgen.runner": 30,  # run
     "batchgen.bench": 30,
+    "batchgen.bench_features": 30,
     "batchgen.report": 30,
     "batchgen.plots": 30,
     "batchgen.progress": 30,
@@ -37,7 +39,7 @@ RANKS = {
     "batchgen.__main__": 40,
     "batchgen": 40,
 }
-NO_MLX_ALL = ("batchgen.config", "batchgen.jobs", "batchgen.output", "batchgen.stats", "batchgen.cli",
+NO_MLX_ALL = ("batchgen.config", "batchgen.jobs", "batchgen.job_fields", "batchgen.output", "batchgen.stats", "batchgen.cli",
           "batchgen.progress")  # fmt: skip
 NO_MLX = [m for m in NO_MLX_ALL if (PACKAGE.parent / (m.replace(".", "/") + ".py")).exists()]
 

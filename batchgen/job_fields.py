@@ -1,0 +1,217 @@
+"""One job's settings, checked key by key: the same names and meanings in native jobs,
+header defaults and OpenAI bodies (batchgen/jobs.py reads the lines). No MLX.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from .config import DRAFT_KINDS, KV_BITS, KV_CACHE_KINDS
+
+
+class InvalidJob(ValueError):
+    """One job line is invalid; `kind` is the error type written to its result."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+
+# ---------------------------------------------------------------------------
+# Field validation: one small checker per key, shared by both formats.
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float))) and not isinstance(v, bool)
+
+
+def _check(ok: bool, key: str, want: str, value) -> None:
+    if not ok:
+        raise InvalidJob("invalid_value", f"'{key}' must be {want}, got {value!r}")
+
+
+# No model reads this many tokens; past it a number is a typo, not a request.
+# Below it, the engine caps a job at the model's context (see Engine.token_budget).
+MAX_TOKENS_LIMIT = 1 << 24
+SEED_LIMIT = 1 << 32  # sampling keys hold 32 bits of seed: a larger one would alias
+
+
+def _max_tokens(key, v):
+    _check(is_int(v) and 0 < v <= MAX_TOKENS_LIMIT, key, f"an integer in 1..{MAX_TOKENS_LIMIT}", v)
+    return v
+
+
+def _temperature(key, v):
+    _check(_is_number(v) and v >= 0, key, "a number >= 0", v)
+    return float(v)
+
+
+def _top_p(key, v):
+    _check(_is_number(v) and 0 < v <= 1, key, "a number in (0, 1]", v)
+    return float(v)
+
+
+def _min_p(key, v):
+    _check(_is_number(v) and 0 <= v <= 1, key, "a number in [0, 1]", v)
+    return float(v)
+
+
+def _non_negative_int(key, v):
+    _check(is_int(v) and v >= 0, key, "an integer >= 0", v)
+    return v
+
+
+def _positive_int(key, v):
+    _check(is_int(v) and v > 0, key, "a positive integer", v)
+    return v
+
+
+def _seed(key, v):
+    _check(is_int(v) and 0 <= v < SEED_LIMIT, key, f"an integer in 0..{SEED_LIMIT - 1}", v)
+    return v
+
+
+def _stop(key, v):
+    if isinstance(v, str):
+        v = [v]
+    _check(
+        isinstance(v, list) and all(isinstance(s, str) and s for s in v),
+        key,
+        "a non-empty string or a list of them",
+        v,
+    )
+    return tuple(v)
+
+
+def _choice(options):
+    def check(key, v):
+        _check(v in options, key, "one of " + ", ".join(map(repr, options)), v)
+        return v
+
+    return check
+
+
+def _any(key, v):
+    return v
+
+
+def _bool(key, v):
+    _check(isinstance(v, bool), key, "true or false", v)
+    return v
+
+
+MAX_N = 128  # OpenAI's own bound on samples per request
+MAX_TOP_LOGPROBS = 20
+
+
+def _n(key, v):
+    _check(is_int(v) and 1 <= v <= MAX_N, key, f"an integer in 1..{MAX_N}", v)
+    return v
+
+
+def top_logprobs(key, v):
+    _check(is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS, key, f"an integer in 0..{MAX_TOP_LOGPROBS}", v)
+    return v
+
+
+def _penalty(key, v):
+    _check(_is_number(v) and -2 <= v <= 2, key, "a number in [-2, 2]", v)
+    return float(v)
+
+
+def _positive_number(key, v):
+    _check(_is_number(v) and v > 0, key, "a number > 0", v)
+    return float(v)
+
+
+def _logit_bias(key, v):
+    """{"token id": bias in [-100, 100]} -> ((id, bias), ...) by id."""
+    _check(isinstance(v, dict), key, "an object of token ids to numbers", v)
+    out = {}
+    for k, b in v.items():
+        _check(isinstance(k, str) and k.isdigit(), f"{key} key", "a token id (digits)", k)
+        _check(_is_number(b) and -100 <= b <= 100, f"{key}[{k!r}]", "a number in [-100, 100]", b)
+        out[int(k)] = float(b)
+    return tuple(sorted(out.items()))
+
+
+JSON_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+def _schema_text(key, schema) -> str:
+    _check(isinstance(schema, (dict, bool)), key, "a JSON schema (an object)", schema)
+    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _response_format(key, v):
+    """OpenAI's response_format -> the schema text to constrain to, or None (text)."""
+    _check(isinstance(v, dict) and isinstance(v.get("type"), str), key, "an object with a 'type'", v)
+    kind = v["type"]
+    if kind == "text":
+        reject_unknown(v, {"type"}, f"{key}.")
+        return None
+    if kind == "json_object":
+        reject_unknown(v, {"type"}, f"{key}.")
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        reject_unknown(v, {"type", "json_schema"}, f"{key}.")
+        spec = v.get("json_schema")
+        _check(isinstance(spec, dict) and "schema" in spec, f"{key}.json_schema", "an object with a 'schema'", spec)
+        reject_unknown(spec, {"name", "schema", "strict", "description"}, f"{key}.json_schema.")
+        return _schema_text(f"{key}.json_schema.schema", spec["schema"])
+    raise InvalidJob("invalid_value", f"'{key}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+# key -> checker; the same names and meanings in native jobs, header defaults
+# and OpenAI bodies (where they exist there).
+FIELD_CHECKS = {
+    "max_tokens": _max_tokens,
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "top_k": _non_negative_int,
+    "min_p": _min_p,
+    "seed": _seed,
+    "stop": _stop,
+    "metadata": _any,
+    "draft": _choice(DRAFT_KINDS),
+    "pld_ngram_size": _positive_int,
+    "pld_max_lookup": _non_negative_int,
+    "kv_cache": _choice(KV_CACHE_KINDS),
+    "kv_bits": _choice(KV_BITS),
+    "n": _n,
+    "logprobs": _bool,
+    "top_logprobs": top_logprobs,
+    "presence_penalty": _penalty,
+    "frequency_penalty": _penalty,
+    "repetition_penalty": _positive_number,
+    "repetition_context_size": _positive_int,
+    "logit_bias": _logit_bias,
+    "response_format": _response_format,
+    "json_schema": _schema_text,  # native shorthand for a json_schema response_format
+}
+NATIVE_KEYS = {"id", "messages", "prompt", *FIELD_CHECKS}
+DEFAULT_KEYS = set(FIELD_CHECKS) - {"metadata"}
+_OPENAI_SHARED = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "user",
+    "metadata", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+}  # fmt: skip
+CHAT_BODY_KEYS = _OPENAI_SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+COMPLETION_BODY_KEYS = _OPENAI_SHARED | {"prompt"}
+# Keys OpenAI's bodies allow that batchgen does not do: named as such, not as typos.
+OPENAI_UNSUPPORTED = {
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio", "modalities",
+    "prediction", "web_search_options", "reasoning_effort", "verbosity", "stream", "stream_options",
+    "store", "service_tier", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix",
+}  # fmt: skip
+
+
+def reject_unknown(obj: dict, allowed: set, where: str = "") -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        names = ", ".join(repr(where + k) for k in unknown)
+        raise InvalidJob("unknown_key", f"unknown key {names}")
