@@ -359,7 +359,8 @@ def step_arguments(n_heads: int, kv_heads: int, dim: int, positions: int, *, sin
     rot = rotation(dim, seed)
     ck, sk = quantize(keys, kb, rot)
     cv, sv = quantize(vals, vb, rot)
-    big = (ck[:, :, S:cb], sk[:, :, S:cb], cv[:, :, S:cb], sv[:, :, S:cb])
+    # Dense, as the cache hands them over (the kernel indexes them as dense rows).
+    big = tuple(mx.contiguous(x[:, :, S:cb]) for x in (ck, sk, cv, sv))
     pad = slots - (p - r0)
 
     def win(x):  # positions r0 .. p - 1 in slots 0 .., the rest (the new token's slot on) zeros
@@ -369,7 +370,7 @@ def step_arguments(n_heads: int, kv_heads: int, dim: int, positions: int, *, sin
                win(mx.stack([sk, sv], axis=-1)))  # fmt: skip
     q = mx.random.normal((1, n_heads, 1, dim), key=mx.random.key(seed + 2)).astype(dtype)
     new = (keys[:, :, p:].astype(dtype), vals[:, :, p:].astype(dtype))
-    sinks = (keys[:, :, :S].astype(dtype), vals[:, :, :S].astype(dtype))
+    sinks = (mx.contiguous(keys[:, :, :S].astype(dtype)), mx.contiguous(vals[:, :, :S].astype(dtype)))
     chunks, span = step_chunks(p + 1, kv_heads, dim)
     books = step_books(rot.signs, *codebook_arrays(kb), *codebook_arrays(vb), dim**-0.5)
     e0 = max(S, p - window + 1, r0)
