@@ -1,0 +1,64 @@
+"""`batchgen launch`: MLX's own launcher (`mlx.launch`, the same arguments),
+ending with the code its ranks ended with.
+
+mlx.launch (MLX 0.32) exits 0 whatever its ranks return; it only warns that a
+rank "exited with code N". A run's exit code says whether jobs failed or the
+run stopped, so this keeps mlx.launch's process handling as it is and notes
+how each rank ended, through the class mlx.launch makes rank processes with
+(`RemoteProcess`: the ring, nccl and jaccl backends). Under `--backend mpi`
+mpirun reports nothing back: the code is then 0. Were mlx.launch to change
+that class, this falls back to running it plainly (the code is then 0).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def exit_code(ends: list[tuple[int, int]]) -> int:
+    """The launch's code from (rank, return code) in the order the ranks
+    ended: the first nonzero one (a rank a signal killed: 128 + the signal),
+    else 0. A run's other ranks end 0 when rank 0 reports for them, so a
+    finished run gets rank 0's code, and a run that a rank broke gets that
+    rank's.
+
+    >>> exit_code([(1, 0), (0, 1)]), exit_code([(1, -9), (0, 143)]), exit_code([(0, 0), (1, 0)])
+    (1, 137, 0)
+    """
+    for _rank, code in ends:
+        if code:
+            return 128 - code if code < 0 else code
+    return 0
+
+
+def launch(argv: list[str]) -> int:
+    """Run mlx.launch with `argv`; return the ranks' `exit_code`."""
+    from mlx._distributed_utils import launch as mlx_launch
+
+    ends: list[tuple[int, int]] = []
+    base = getattr(mlx_launch, "RemoteProcess", None)
+    if isinstance(base, type) and isinstance(getattr(base, "exit_status", None), property):
+
+        class Noted(base):
+            def __init__(self, rank, *args, **kwargs):
+                super().__init__(rank, *args, **kwargs)
+                self.batchgen_rank, self.batchgen_noted = rank, False
+
+            @property
+            def exit_status(self):
+                status = base.exit_status.fget(self)
+                if status[0] is not None and not self.batchgen_noted:
+                    self.batchgen_noted = True
+                    ends.append((self.batchgen_rank, status[0]))
+                return status
+
+        mlx_launch.RemoteProcess = Noted
+    argv0 = sys.argv
+    sys.argv = ["mlx.launch", *argv]
+    try:
+        mlx_launch.main()
+    finally:
+        sys.argv = argv0
+        if base is not None:
+            mlx_launch.RemoteProcess = base
+    return exit_code(ends)
