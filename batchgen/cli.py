@@ -161,8 +161,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
     Under `mlx.launch -n N` (or `batchgen launch`), N ranks share the jobs and
     write one output; `--tensor-parallel` ranks hold one model copy together."""
     _setup_logging(quiet)
-    from .ranks import launched, run_ranks
-    from .runner import RunError, default_output, run_jobs, save_summary, spool_stdin
+    from .runner import RunError, default_output, launched, run_jobs, save_summary, spool_stdin
 
     engine = EngineConfig(
         model=model or str(DEMO_MODEL_DIR),
@@ -199,7 +198,12 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
     progress = not quiet and sys.stderr.isatty()
     log_every_s = None if quiet or progress else log_every  # no terminal: plain lines for logs
     try:
-        outcome = (run_ranks if ranked else run_jobs)(cfg, jobs_path, progress, log_every_s)
+        if ranked:
+            from .ranks import run_ranks
+
+            outcome = run_ranks(cfg, jobs_path, progress, log_every_s)
+        else:
+            outcome = run_jobs(cfg, jobs_path, progress, log_every_s)
     except RunError as e:
         _fail(str(e))
     finally:

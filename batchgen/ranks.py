@@ -93,26 +93,21 @@ from .stats import RunSummary, Timer, rank_figures
 
 log = logging.getLogger("batchgen")
 
-# Set by the launchers: mlx.launch (every backend), mpirun.
-LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 # How long rank 0 sleeps between looks at the parts once its own share is done.
 POLL_S = 0.25
 # Rank 0 folds the parts it sees at most this often while it runs jobs.
 FOLD_EVERY_S = 0.5
 
 
-def launched() -> bool:
-    """Whether a launcher started this process as a rank (read from the
-    environment: nothing distributed is imported for one process)."""
-    return any(k in os.environ for k in LAUNCH_ENV)
-
-
 def run_ranks(cfg: RunConfig, jobs_path: Path, progress: bool, log_every_s: float | None = None) -> Outcome:
     """The run as this rank's part of a launch; one rank alone runs as one process."""
     from .engine import distributed
 
-    group = distributed.init()
-    if group.size() == 1:
+    try:
+        group = distributed.init()
+    except RuntimeError as e:
+        raise RunError(f"cannot join the launch's other ranks: {e}") from None
+    if group is None:
         return run_jobs(cfg, jobs_path, progress, log_every_s)
     return RankRun(cfg, jobs_path, group, progress, log_every_s).run()
 
@@ -138,7 +133,7 @@ def transport_error(result) -> bool:
     return e is not None and e.type == "generation_error" and bool(_TRANSPORT.match(e.message))
 
 
-_TRANSPORT = re.compile(r"RuntimeError: \[(ring|nccl|jaccl|mpi)\]")
+_TRANSPORT = re.compile(r"(RuntimeError|PeerLost): \[(ring|nccl|jaccl|mpi)\]")
 
 
 def file_digest(path: Path) -> str:

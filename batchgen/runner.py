@@ -46,6 +46,17 @@ EXIT_INTERRUPTED = EXIT_SIGNAL[signal.SIGINT]
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of `-o -` went away
 
 
+# Set by the launchers: mlx.launch (every backend), mpirun.
+LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as a rank (`batchgen.ranks`
+    then runs it); read from the environment, so that one process imports
+    nothing distributed."""
+    return any(k in os.environ for k in LAUNCH_ENV)
+
+
 class RunError(Exception):
     """The run cannot start, or cannot go on writing (exit code 2); the
     message is one line. Lines written before it stay whole."""
@@ -212,6 +223,8 @@ def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every
         raise RunError(str(e)) from None
     if index.torn_bytes:
         log.info(f"repaired a torn last line ({index.torn_bytes} bytes) in {cfg.output_path}")
+    if index.folded:
+        log.info(f"took in {index.folded} result lines an earlier run's ranks left in part files")
     todo = (item for item in iter_jobs(jobs_path, defaults, scan.format, scan.header_line) if item.id not in done)
     summary.total = scan.jobs
     summary.skipped = len(scan.ids & done)

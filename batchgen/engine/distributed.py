@@ -14,9 +14,13 @@ slowest one's pace.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from ..decode.passes import generation_stream
 
 # Bytes a rank contributes to one all_gather round: every rank receives
 # ranks x this, so it bounds the memory a round takes (a part file of any
@@ -29,8 +33,26 @@ class PeerLost(Exception):
 
 
 def init():
-    """The launch's group of every rank (a group of one when not launched)."""
-    return mx.distributed.init()
+    """The launch's group of every rank, or None for a launch of one rank
+    (`mlx.launch -n 1` hands the ring backend an empty host file, which it
+    cannot parse)."""
+    try:
+        group = mx.distributed.init()
+    except RuntimeError:
+        if alone():
+            return None
+        raise
+    return group if group.size() > 1 else None
+
+
+def alone() -> bool:
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile is not None:
+        try:
+            return not Path(hostfile).read_text().strip()
+        except OSError:
+            return False
+    return os.environ.get("MLX_WORLD_SIZE") == "1"
 
 
 def exchange(group, payload: bytes, chunk: int = CHUNK_BYTES) -> list[bytes]:
@@ -56,8 +78,11 @@ def exchange_json(group, obj) -> list:
 
 
 def _gather(group, values: np.ndarray) -> np.ndarray:
+    # On the stream the model's passes run on, behind them: a pass queued
+    # ahead (a pipelined step) holds collectives of its own under tensor
+    # parallelism, and every rank must run its collectives in one order.
     try:
-        gathered = mx.distributed.all_gather(mx.array(values), group=group)
+        gathered = mx.distributed.all_gather(mx.array(values), group=group, stream=generation_stream)
         mx.eval(gathered)
     except RuntimeError as e:
         raise PeerLost(str(e)) from None
