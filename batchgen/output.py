@@ -136,12 +136,13 @@ def line_figures(obj: dict) -> tuple[bool, int]:
 _LINE_START = b'{"id":'
 
 
-def line_key(raw: bytes) -> str | None:
-    """The job key of one raw result line, or None when it is not one."""
+def _parsed(raw: bytes) -> tuple:
+    """(the parsed line or None, its job key or None when it is not a result line)."""
     try:
-        return _line_key(orjson.loads(raw))
+        obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return None
+        return None, None
+    return obj, _line_key(obj)
 
 
 @dataclass
@@ -167,10 +168,16 @@ def read_resume_index(path: Path) -> ResumeIndex:
     our lines is noted for `open_output` to cut. Any other line that is not a
     result, and any id answered twice, is refused by line number: the file is
     then not a clean batchgen output, and appending to it would hide that.
+    The part files beside it (an earlier run's ranks') count too.
     """
     index = ResumeIndex()
-    if not path.exists():
-        return index
+    if path.exists():
+        _read_output(path, index)
+    _read_parts(path, index)
+    return index
+
+
+def _read_output(path: Path, index: ResumeIndex) -> None:
     first_line: dict[str, int] = {}
     try:
         f = open(path, "rb")
@@ -185,11 +192,7 @@ def read_resume_index(path: Path) -> ResumeIndex:
                 raise _not_ours(path, n, " (nor the start of one)")
             if not raw.strip():
                 continue
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                obj = None
-            key = _line_key(obj)
+            obj, key = _parsed(raw)
             if key is None:
                 raise _not_ours(path, n)
             if key in first_line:
@@ -201,13 +204,14 @@ def read_resume_index(path: Path) -> ResumeIndex:
             index.done.add(key)
             if _is_error_line(obj):
                 index.failed.add(key)
+
+
+def _read_parts(path: Path, index: ResumeIndex) -> None:
+    """Ids in the part files beside `path` count as done; a part's id that the
+    output (or an earlier part) holds is a fold cut short, not a repeat."""
     for part in part_files(path):
         for n, raw in PartTail(part).numbered():
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                obj = None
-            key = _line_key(obj)
+            obj, key = _parsed(raw)
             if key is None:
                 raise OutputFileError(f"part file {part} line {n} is not a batchgen result line; "
                                       "move the file away to go on without its lines")  # fmt: skip
@@ -218,7 +222,6 @@ def read_resume_index(path: Path) -> ResumeIndex:
             if _is_error_line(obj):
                 index.failed.add(key)
         index.parts.append(part)
-    return index
 
 
 # A part file's name: `.<output name>.part-<run id>-<rank>`.
@@ -374,11 +377,7 @@ def fold(writer: ResultWriter, lines: Iterable[bytes], seen: set, source: Path) 
     by name (`source`), never copied."""
     folded = []
     for raw in lines:
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            obj = None
-        key = _line_key(obj)
+        obj, key = _parsed(raw)
         if key is None:
             raise OutputFileError(f"part file {source} holds a line that is not a batchgen result line")
         if key in seen:

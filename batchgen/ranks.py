@@ -238,7 +238,8 @@ class RankRun:
         self.index = None
         self.writer: ResultWriter | None = None
         self.part: Path | None = None
-        self.shipped: list = []
+        self.shipped: list = []  # this rank's leftover parts rank 0 now holds
+        self.received = False  # rank 0: it holds parts shipped from other machines
         self.visible: list = []
         self.wall = Timer()
 
@@ -426,6 +427,7 @@ class RankRun:
             for k, data in enumerate(got):
                 if names.get(k):
                     _write_atomically(self.base.with_name(names[k][0]), data)
+                    self.received = True
 
     def _resume(self, records: list) -> dict:
         """Rank 0's resume index (output and every part it holds now) as a
@@ -435,7 +437,7 @@ class RankRun:
         info = None
         if self.rank == 0:
             error, index = None, self.index
-            if index is not None and index.parts:
+            if self.received:
                 try:
                     index = self.index = read_resume_index(self.base)  # the shipped parts too
                 except OutputFileError as e:
