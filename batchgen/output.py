@@ -256,6 +256,7 @@ class PartTail:
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0  # bytes of the lines taken so far
+        self.lines = 0  # lines taken so far
 
     def read(self) -> Iterator[bytes]:
         try:
@@ -269,11 +270,12 @@ class PartTail:
                     return
                 self.offset += len(raw)
                 if raw.strip():
+                    self.lines += 1
                     yield raw
 
     def numbered(self) -> Iterator[tuple[int, bytes]]:
         """Every whole line from the start, with its 1-based line number."""
-        self.offset = 0
+        self.offset = self.lines = 0
         n = 0
         for raw in self.read():
             n += 1
@@ -415,6 +417,7 @@ def open_output(path: str, index: ResumeIndex, fsync: bool, retry_failed: bool) 
             index.parts, index.in_parts = [], set()
         if retry_failed and index.failed:
             _drop_keys(p, index.failed)
+            index.done, index.failed = index.done - index.failed, set()  # what the file holds now
         stream = open(p, "ab", buffering=0)
     except OSError as e:
         raise OutputFileError(f"cannot write output file {p}: {e.strerror}") from None

@@ -68,7 +68,6 @@ from .output import (
 )
 from .progress import format_ranks
 from .runner import (
-    EXIT_BROKEN_PIPE,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_SIGNAL,
@@ -81,8 +80,8 @@ from .runner import (
     interrupted,
     load_engine,
     prewarm,
+    reader_gone,
     run_jobs,
-    silence_stdout,
     start_summary,
     stop_code,
     write_failed,
@@ -287,10 +286,7 @@ class RankRun:
             self._wind_down(folding, summary)
             log.warning(interrupted(code, self._written(), self._where()))
         except OutputClosed:
-            summary.interrupted = True
-            code = EXIT_BROKEN_PIPE
-            silence_stdout()
-            log.warning(f"the output's reader closed it after {self._written()} jobs; stopped")
+            code = reader_gone(summary, self._written())
         except OutputWriteError as e:
             self._wind_down(folding, summary)
             raise RunError(self.who + write_failed(e, self._written())) from None
@@ -675,7 +671,8 @@ class Folding:
         here = socket.gethostname()
         while True:
             self.take()
-            left = [k for k in self.tails if self.counts[k][0] < self.share.sizes[self.copy_of[k]]]
+            # one line a job, whether folded or (an id the output holds) not
+            left = [k for k in self.tails if self.tails[k].lines < self.share.sizes[self.copy_of[k]]]
             if not left:
                 return
             for k in left:
@@ -702,8 +699,8 @@ class Folding:
             share = self.share.sizes[self.copy_of[k]]
             if k == 0:
                 rows.append((0, own.ok + own.failed, share, own.completion_tokens))
-            elif k in self.counts:
-                rows.append((k, self.counts[k][0], share, self.counts[k][2]))
+            elif k in self.tails:
+                rows.append((k, self.tails[k].lines, share, self.counts[k][2]))
             else:
                 rows.append((k, None, share, 0))
         return format_ranks(rows, run.wall.elapsed_s)

@@ -250,10 +250,7 @@ def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every
         code = stop_code(e)
         log.warning(interrupted(code, writer.written, cfg.output_path))
     except OutputClosed:
-        summary.interrupted = True
-        code = EXIT_BROKEN_PIPE
-        silence_stdout()
-        log.warning(f"the output's reader closed it after {writer.written} jobs; stopped")
+        code = reader_gone(summary, writer.written)
     except OutputWriteError as e:
         raise RunError(write_failed(e, writer.written)) from None
     finally:
@@ -290,6 +287,14 @@ def interrupted(code: int, written: int, where: str) -> str:
     name = next(sig.name for sig, c in EXIT_SIGNAL.items() if c == code)
     return (f"interrupted after {written} jobs ({name}); their results are in {where}; "
             "run the same command again to resume")  # fmt: skip
+
+
+def reader_gone(summary: RunSummary, written: int) -> int:
+    """The reader of `-o -` closed it: stopped, stdout silenced; the exit code."""
+    summary.interrupted = True
+    silence_stdout()
+    log.warning(f"the output's reader closed it after {written} jobs; stopped")
+    return EXIT_BROKEN_PIPE
 
 
 def write_failed(e: OutputWriteError, written: int) -> str:

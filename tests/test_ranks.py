@@ -162,6 +162,23 @@ def test_parts_left_by_an_earlier_run_fold_in_once(tmp_path, model):
     assert out.read_bytes().startswith(lines[0] + lines[1] + lines[2] + lines[3])
 
 
+def test_open_output_leaves_the_index_as_the_file_is(tmp_path):
+    """After a fold and a --retry-failed drop, the index holds exactly the
+    ids the output holds (rank 0 folds other ranks' lines against it)."""
+    from batchgen.output import open_output
+
+    out = tmp_path / "out.jsonl"
+    ok = b'{"id":"a","text":"x","finish_reason":"stop","usage":{},"stats":{},"metadata":null,"error":null}\n'
+    bad = b'{"id":"b","error":{"type":"t","message":"m","line":3},"metadata":null}\n'
+    out.write_bytes(ok)
+    part_path(out, "9", 1).write_bytes(bad + ok.replace(b'"a"', b'"c"'))
+    index = read_resume_index(out)
+    assert index.done == {"a", "b", "c"} and index.failed == {"b"}
+    open_output(str(out), index, fsync=False, retry_failed=True).close()
+    assert index.done == {"a", "c"} and index.failed == set() and index.folded == 2
+    assert [l["id"] for l in lines_of(out)] == ["a", "c"] and not part_path(out, "9", 1).exists()
+
+
 def test_a_part_holding_a_foreign_line_is_refused_by_name(tmp_path, model):
     jobs = write_jobs(tmp_path / "jobs.jsonl", 2, max_tokens=2)
     out = tmp_path / "out.jsonl"
@@ -271,6 +288,22 @@ def test_a_killed_rank_loses_nothing_and_any_number_of_ranks_resumes(tmp_path, m
     assert sorted(got) == sorted(want)
     assert all(got[k]["text"] == want[k]["text"] for k in got)
     assert not list(tmp_path.glob(".out.jsonl.part-*"))
+
+
+@pytest.mark.slow
+def test_retry_failed_over_ranks_replaces_the_error_lines(tmp_path, model):
+    """The error lines --retry-failed drops come back as the retried jobs'
+    lines, whichever rank runs them (rank 0 folds them in as new ids)."""
+    jobs = write_jobs(tmp_path / "jobs.jsonl", 4, extra=[{"id": "bad", "prompt": "x", "max_tokens": 0}])
+    out = tmp_path / "out.jsonl"
+    code, err = finish(launch(2, jobs, out, model))
+    assert code == 1 and by_id(out)["bad"]["error"]["type"] == "invalid_value", err
+    write_jobs(jobs, 4, extra=[{"id": "bad", "prompt": "x", "max_tokens": 3}])
+    code, err = finish(launch(2, jobs, out, model, "--retry-failed"))
+    assert code == 0, err
+    got = by_id(out)
+    assert sorted(got) == ["bad", "j0", "j1", "j2", "j3"] and all(l["error"] is None for l in got.values())
+    assert "jobs: 5 total, 1 ok, 0 failed, 4 skipped" in err
 
 
 @pytest.mark.slow
