@@ -8,10 +8,17 @@ how each rank ended, through the class mlx.launch makes rank processes with
 (`RemoteProcess`: the ring, nccl and jaccl backends). Under `--backend mpi`
 mpirun reports nothing back: the code is then 0. Were mlx.launch to change
 that class, this falls back to running it plainly (the code is then 0).
+
+Stop signals: SIGTERM and SIGHUP sent to the launcher (`timeout`, a
+supervisor) are passed on to every rank, which stops as one process would
+(mlx.launch alone dies and leaves its ranks running). Ctrl-C on a terminal
+reaches every rank from the terminal itself; the launcher does not die of it
+but stays to pass on the ranks' last lines and their exit code.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
@@ -36,6 +43,7 @@ def launch(argv: list[str]) -> int:
     from mlx._distributed_utils import launch as mlx_launch
 
     ends: list[tuple[int, int]] = []
+    ranks: list = []
     base = getattr(mlx_launch, "RemoteProcess", None)
     if isinstance(base, type) and isinstance(getattr(base, "exit_status", None), property):
 
@@ -43,6 +51,7 @@ def launch(argv: list[str]) -> int:
             def __init__(self, rank, *args, **kwargs):
                 super().__init__(rank, *args, **kwargs)
                 self.batchgen_rank, self.batchgen_noted = rank, False
+                ranks.append(self)
 
             @property
             def exit_status(self):
@@ -53,12 +62,24 @@ def launch(argv: list[str]) -> int:
                 return status
 
         mlx_launch.RemoteProcess = Noted
+
+    def pass_on(signum, _frame):
+        for r in ranks:
+            try:
+                r.process.send_signal(signum)
+            except OSError:
+                pass  # it has ended
+
+    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: None)
     argv0 = sys.argv
     sys.argv = ["mlx.launch", *argv]
     try:
         mlx_launch.main()
     finally:
         sys.argv = argv0
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         if base is not None:
             mlx_launch.RemoteProcess = base
     return exit_code(ends)
