@@ -180,6 +180,10 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         kv_budget_bytes=_parse_bytes(kv_budget),
     )
     ranked = launched()
+    if ranked and jobs == "-":
+        if os.environ.get("MLX_RANK", "0") != "0":
+            sys.exit(2)  # rank 0 says why
+        _fail("jobs from stdin (-) cannot be read by launched ranks (a launcher never ends their input); give a file")
     if jobs != "-" and not Path(jobs).is_file() and not ranked:  # ranked: rank 0 names the rank that lacks it
         _fail(f"cannot read job file {jobs}: no such file")
     jobs_path = spool_stdin() if jobs == "-" else Path(jobs)
