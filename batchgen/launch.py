@@ -17,8 +17,8 @@ but stays to pass on the ranks' last lines and their exit code.
 
 Waiting: mlx.launch's loops wait in `select` for its ranks' output, but count
 each rank's stdin pipe (always writable) and its own stdin at end of input
-(always readable) as ready, so they spin: a core taken from the ranks (on a
-2-core machine, a run over 2 ranks ran at 0.6x one process). Its forwarding
+(always readable) as ready, so they spin: a core taken from the ranks (what
+that cost on a 2-core machine: bench/RESULTS.md). Its forwarding
 of stdin is of no use to a run (a rank's input never ends, so `batchgen run
 -` cannot read it), so here the launcher's stdin is an input that never comes
 and a rank's stdin counts as writable only after the wait for its output.

@@ -307,15 +307,19 @@ def test_retry_failed_over_ranks_replaces_the_error_lines(tmp_path, model):
 
 
 @pytest.mark.slow
-def test_a_stop_signal_to_rank_0_stops_every_rank_and_resumes(tmp_path, model):
+@pytest.mark.parametrize("to", ["rank 0", "the launcher"])
+def test_a_stop_signal_stops_every_rank_and_resumes(tmp_path, model, to):
+    """SIGTERM to rank 0 (the launcher then stops rank 1), or to the launcher
+    (which passes it on; mlx.launch alone would leave the ranks running)."""
     jobs = write_jobs(tmp_path / "jobs.jsonl", 30, max_tokens=60)
     out = tmp_path / "out.jsonl"
     proc = launch(2, jobs, out, model)
     wait_for(lambda: written(out) >= 4 and rank_pid(out, 0) is not None, proc)
-    os.kill(rank_pid(out, 0), signal.SIGTERM)
+    os.kill(rank_pid(out, 0) if to == "rank 0" else proc.pid, signal.SIGTERM)
     code, err = finish(proc)
     assert code == 143, err
-    assert "interrupted after" in err and "(SIGTERM)" in err
+    assert "interrupted after" in err and "(SIGTERM)" in err and "Traceback" not in err
+    assert rank_pid(out, 1) is None
     code, err = finish(launch(2, jobs, out, model))
     assert code == 0, err
     assert sorted(by_id(out)) == sorted(f"j{i}" for i in range(30))
