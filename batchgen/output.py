@@ -244,7 +244,8 @@ def part_files(output: Path) -> list[Path]:
         names = os.listdir(output.parent if str(output.parent) else ".")
     except OSError:
         return []
-    return sorted(output.with_name(n) for n in names if n.startswith(prefix) and _PART.search(n[len(output.name) + 1 :]))
+    ours = (n for n in names if n.startswith(prefix) and _PART.search(n[len(output.name) + 1 :]))
+    return sorted(output.with_name(n) for n in ours)
 
 
 class PartTail:

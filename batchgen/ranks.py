@@ -275,7 +275,8 @@ class RankRun:
         except PeerLost as e:
             raise RunError(f"{self.who}another rank stopped answering before the first job ({e})") from None
         summary = start_summary(self.cfg, engine)
-        summary.total, summary.skipped, summary.failed_earlier = start["jobs"], start["skipped"], start["failed_earlier"]
+        summary.total, summary.skipped = start["jobs"], start["skipped"]
+        summary.failed_earlier = start["failed_earlier"]
         folding = Folding(self, share, start["run_id"]) if self.rank == 0 else None
         code = None
         try:
@@ -364,8 +365,8 @@ class RankRun:
         self._agree_or_stop(records)
         for k, r in enumerate(records[1:], start=1):
             if r["digest"] != records[0]["digest"]:
-                self._stop_all(f"rank {k} ({r['host']}) reads a different {self.jobs_path} than rank 0 "
-                               f"({r['jobs']} jobs against {records[0]['jobs']}); every rank needs the same file")  # fmt: skip
+                self._stop_all(f"rank {k} ({r['host']}) reads a different {self.jobs_path} than rank 0 ({r['jobs']} "
+                               f"jobs against {records[0]['jobs']}); every rank needs the same file")  # fmt: skip
         self._ship_leftovers(records)
         return self._resume(records)
 
@@ -491,19 +492,25 @@ class RankRun:
         error, engine, tensor_group = None, None, None
         self.part = part_path(self.base, start["run_id"], self.rank)
         try:
-            if self.rank == 0:
-                self.writer = self._open_output()
-            elif share.leader:
-                self.writer = _open_part(self.part, self.cfg.fsync)
             if share.tensor > 1:
                 try:
                     tensor_group = split(self.group, share.copies, share.copy, self.rank)
                 except RuntimeError as e:
                     raise RunError(f"data and tensor parallel together need a backend that splits groups "
-                                   f"(nccl, mpi): {e}; use --tensor-parallel all or 1") from None  # fmt: skip
-            engine = load_engine(self._rank_config(share), tensor_group)
-            self._fit(engine, tensor_group, least)
-        except (RunError, OutputFileError) as e:
+                                   f"(nccl, mpi): {str(e).rstrip('.')}; use --tensor-parallel all or 1") from None  # fmt: skip
+            engine = load_engine(self._rank_config(share), tensor_group)  # no collective: a rank may fail alone
+        except RunError as e:
+            error = str(e)
+        self._agree_or_stop(exchange_json(self.group, {"error": error, "host": socket.gethostname()}))
+        self._fit(engine, tensor_group, least)
+        # The output and the parts once every rank can go: a run that cannot
+        # start creates no file, as one process does.
+        try:
+            if self.rank == 0:
+                self.writer = self._open_output()
+            elif share.leader:
+                self.writer = _open_part(self.part, self.cfg.fsync)
+        except OutputFileError as e:
             error = str(e)
         self._agree_or_stop(exchange_json(self.group, {"error": error, "host": socket.gethostname()}))
         leaders = [k for k in range(1, self.size) if rank_layout(self.size, share.tensor)[k][1] == 0]
