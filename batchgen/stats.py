@@ -108,7 +108,7 @@ class RunSummary:
     interrupted: bool = False
     batch: dict = field(default_factory=lambda: {"rows": 1})  # rows; batched: steps, prompt_s
     # A run over several ranks: {"ranks", "data", "tensor"} and each rank's own
-    # figures (`RankFigures.as_dict`); empty for one process.
+    # figures (`rank_figures`); empty for one process.
     parallel: dict = field(default_factory=dict)
     ranks: list = field(default_factory=list)
 

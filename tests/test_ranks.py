@@ -189,6 +189,28 @@ def test_a_part_holding_a_foreign_line_is_refused_by_name(tmp_path, model):
     assert part.read_text() == '{"id": "j0", "messages": []}\n' and not out.exists()
 
 
+# Shares -------------------------------------------------------------------------
+
+
+def test_shares_balance_work_not_count_and_keep_a_prefix_together():
+    """Four long jobs and twelve short ones over two ranks: the long ones
+    split two and two (equal work, unequal counts); a family of jobs sharing
+    a 2,000-character document stays on one rank."""
+    from batchgen.shares import expected_work, plan_shares, prefix_digest
+
+    doc = "x" * 2000
+    texts = [f"long {i}" for i in range(4)] + [f"short {i}" for i in range(8)] + [doc + f" q{i}" for i in range(4)]
+    work = [expected_work(len(t), 1000 if t.startswith("long") else 10) for t in texts]
+    shares = plan_shares([prefix_digest(t) for t in texts], work, 2)
+    assert sorted(i for s in shares for i in s) == list(range(16))
+    assert [sum(i < 4 for i in s) for s in shares] == [2, 2]
+    loads = [sum(work[i] for i in s) for s in shares]
+    assert abs(loads[0] - loads[1]) <= max(work)
+    family = {12, 13, 14, 15}
+    assert any(family <= set(s) for s in shares)
+    assert plan_shares([], [], 3) == [[], [], []]
+
+
 # Tensor parallel: sharding errors ---------------------------------------------
 
 
@@ -334,13 +356,15 @@ def test_tensor_parallel_over_two_ranks_equals_one_unsharded_process(tmp_path, m
     jobs = write_jobs(tmp_path / "jobs.jsonl", 8, max_tokens=10)
     ref, out, summary = tmp_path / "ref.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
     assert one_process(jobs, ref, m, "--batch-size", rows) == 0
-    code, err = finish(launch(2, jobs, out, m, "--tensor-parallel", "all", "--batch-size", rows, "--summary", str(summary)))
+    code, err = finish(launch(2, jobs, out, m, "--tensor-parallel", "all", "--batch-size", rows,
+                              "--summary", str(summary)))  # fmt: skip
     assert code == 0, err
     got, want = by_id(out), by_id(ref)
     assert sorted(got) == sorted(want) and all(got[k]["text"] == want[k]["text"] for k in got)
     s = json.loads(summary.read_text())
     assert s["parallel"] == {"ranks": 2, "data": 1, "tensor": 2} and s["jobs"]["ok"] == 8
-    assert s["fusion"]["qkv"] == 2 and (s["fusion"]["experts"] == 2 if arch == "qwen3_moe" else s["fusion"]["gate_up"] == 2)
+    assert s["fusion"]["qkv"] == 2  # fused per shard
+    assert s["fusion"]["experts" if arch == "qwen3_moe" else "gate_up"] == 2
 
 
 @pytest.mark.slow
