@@ -4,7 +4,8 @@ Core modules raise plain exceptions; this one turns them into one-line
 messages on stderr and exit codes: 0 ok, 1 some jobs failed (this run or an
 earlier one whose error lines the output keeps), 2 unusable input or options,
 or an output that cannot be written (finished lines kept), 130/143/129 stopped
-by SIGINT/SIGTERM/SIGHUP, 141 the reader of `-o -` closed the pipe.
+by SIGINT/SIGTERM/SIGHUP, 141 the reader of `-o -` closed the pipe, 75 (a run
+over several ranks) another rank stopped answering.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         else:
             outcome = run_jobs(cfg, jobs_path, progress, log_every_s)
     except RunError as e:
-        _fail(str(e))
+        _fail(str(e), e.code)
     finally:
         if jobs == "-":
             jobs_path.unlink(missing_ok=True)

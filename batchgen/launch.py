@@ -31,21 +31,24 @@ import select
 import signal
 import sys
 
+from .runner import EXIT_PEER_LOST
+
 
 def exit_code(ends: list[tuple[int, int]]) -> int:
     """The launch's code from (rank, return code) in the order the ranks
     ended: the first nonzero one (a rank a signal killed: 128 + the signal),
     else 0. A run's other ranks end 0 when rank 0 reports for them, so a
     finished run gets rank 0's code, and a run that a rank broke gets that
-    rank's.
+    rank's. A rank that ended because another stopped answering (75) only
+    echoes that other rank, whose own code comes first, wherever it ends.
 
     >>> exit_code([(1, 0), (0, 1)]), exit_code([(1, -9), (0, 143)]), exit_code([(0, 0), (1, 0)])
     (1, 137, 0)
+    >>> exit_code([(1, 75), (0, 143)]), exit_code([(1, 75)])
+    (143, 75)
     """
-    for _rank, code in ends:
-        if code:
-            return 128 - code if code < 0 else code
-    return 0
+    codes = [128 - code if code < 0 else code for _rank, code in ends if code]
+    return next((c for c in codes if c != EXIT_PEER_LOST), codes[0] if codes else 0)
 
 
 def launch(argv: list[str]) -> int:

@@ -70,6 +70,7 @@ from .progress import format_ranks
 from .runner import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_PEER_LOST,
     EXIT_SIGNAL,
     Outcome,
     Progress,
@@ -273,7 +274,8 @@ class RankRun:
             share = self._share(start)
             engine = self._ready(start, share)
         except PeerLost as e:
-            raise RunError(f"{self.who}another rank stopped answering before the first job ({e})") from None
+            raise RunError(f"{self.who}another rank stopped answering before the first job ({e})",
+                           EXIT_PEER_LOST) from None  # fmt: skip
         summary = start_summary(self.cfg, engine)
         summary.total, summary.skipped = start["jobs"], start["skipped"]
         summary.failed_earlier = start["failed_earlier"]
@@ -294,7 +296,7 @@ class RankRun:
         except PeerLost as e:
             self._wind_down(folding, summary)
             raise RunError(f"{self.who}another rank stopped answering ({e}); every finished line is kept in "
-                           f"{self._where()}; run the same command again to resume") from None  # fmt: skip
+                           f"{self._where()}; run the same command again to resume", EXIT_PEER_LOST) from None  # fmt: skip
         if self.rank:
             return Outcome(None, code if code is not None else EXIT_OK)
         summary.wall_s = self.wall.elapsed_s

@@ -44,6 +44,9 @@ EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 EXIT_INTERRUPTED = EXIT_SIGNAL[signal.SIGINT]
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of `-o -` went away
+# A rank of a run over several ranks lost another (finished lines kept): the
+# other rank's own code says why (sysexits' EX_TEMPFAIL: run again to resume).
+EXIT_PEER_LOST = 75
 
 
 # Set by the launchers: mlx.launch (every backend), mpirun.
@@ -58,8 +61,12 @@ def launched() -> bool:
 
 
 class RunError(Exception):
-    """The run cannot start, or cannot go on writing (exit code 2); the
-    message is one line. Lines written before it stay whole."""
+    """The run cannot start, or cannot go on writing (exit code 2, or
+    `code`); the message is one line. Lines written before it stay whole."""
+
+    def __init__(self, message: str, code: int = EXIT_UNUSABLE):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass

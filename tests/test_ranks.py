@@ -407,7 +407,7 @@ def test_ranks_on_machines_that_cannot_see_each_other(tmp_path, model):
     wait_for(lambda: sum(p.read_bytes().count(b"\n") for p in far.glob(".out.jsonl.part-*")) >= 3, first[1])
     first[1].kill()
     code, err = finish(first[0])
-    assert code == 2 and "another rank stopped answering" in err, err
+    assert code == 75 and "another rank stopped answering" in err, err  # rank 1's death, not rank 0's doing
     first[1].wait()
     (left,) = far.glob(".out.jsonl.part-*")
     shipped = {orjson.loads(l)["id"] for l in left.read_bytes().splitlines()}
