@@ -200,7 +200,10 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         retry_failed=retry_failed,
         tensor_parallel=tensor_parallel,
     )
-    progress = not quiet and sys.stderr.isatty()
+    # A launched rank writes to the launcher's pipe; mlx.launch sets COLUMNS and
+    # LINES when it has a terminal itself, where it passes a bar's redraws on.
+    terminal = sys.stderr.isatty() or (ranked and "COLUMNS" in os.environ and "LINES" in os.environ)
+    progress = not quiet and terminal
     log_every_s = None if quiet or progress else log_every  # no terminal: plain lines for logs
     try:
         if ranked:
