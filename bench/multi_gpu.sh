@@ -12,6 +12,8 @@
 #           (decode tok/s, memory per GPU)
 #   kill    2 GPUs, 0.5B shape: rank 1 killed (SIGKILL) mid-run, the run again: nothing lost or twice
 # NVLink multicast stays off: NCCL_NVLS_ENABLE=0, exported and passed through the launcher's --env.
+# A device call runs 10 minutes at most: e.g. `env dp05`, then `dp7b`, then `tp7b kill`; each
+# stage first makes the shapes and jobs it needs where a fresh machine lacks them.
 # Each figure lands in $OUT/results/*.json with its log; results.tgz at the end.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error NCCL_NVLS_ENABLE=0
@@ -23,21 +25,10 @@ DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
 LAUNCH=(python3 -m batchgen launch -n 2 --backend nccl --env NCCL_NVLS_ENABLE=0 --)
 RUN=(python3 -m batchgen run)
 
-step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, print its tail
-  local name=$1 limit=$2
-  shift 2
-  local left=$((DEADLINE - SECONDS))
-  if ((left < 15)); then echo "=== $name skipped: out of time"; return 1; fi
-  ((limit > left)) && limit=$left
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$R/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - t0))s"
-  tail -n 3 "$R/$name.log"
-  return $rc
-}
+. "$(dirname "$0")/step.sh"  # step NAME SECONDS CMD...
 
 compare() {  # compare NAME ONE_OUT ONE_SUMMARY TWO_OUT TWO_SUMMARY: scaling and ids, as JSON
+  [[ -f $3 && -f $5 ]] || { echo "=== $1: a side has no summary"; return 1; }
   python3 - "$@" >"$R/$1.json" <<'EOF'
 import json, sys
 name, one_out, one_sum, two_out, two_sum = sys.argv[1:]
@@ -72,17 +63,19 @@ EOF
   step allgather 120 "${LAUNCH[@]}" python3 /tmp/allgather.py
 }
 
-stage_shapes() {
-  local shape
-  for shape in qwen2.5-0.5b qwen2.5-7b; do
+stage_shapes() {  # stage_shapes [SHAPE ...] (default: both)
+  local shape shapes=("$@")
+  ((${#shapes[@]})) || shapes=(qwen2.5-0.5b qwen2.5-7b)
+  for shape in "${shapes[@]}"; do
     [[ -f $S/$shape/model.safetensors ]] || step "shape_$shape" 300 python3 bench/shape_model.py "$shape" "$S/$shape"
   done
   python3 - "$S/jobs2048.jsonl" <<'EOF'
 import itertools, json, sys
 def jobs(path):
     lines = [json.loads(l) for l in open(path) if l.strip()]
-    system = lines[0]["batchgen"].get("system") if "batchgen" in lines[0] else None
-    for j in lines[1 if system is not None else 0:]:
+    header = "batchgen" in lines[0]
+    system = lines[0]["batchgen"].get("system") if header else None
+    for j in lines[1 if header else 0:]:
         msgs = j["messages"] if any(m["role"] == "system" for m in j["messages"]) or system is None else \
             [{"role": "system", "content": system}] + j["messages"]
         yield msgs
@@ -96,7 +89,8 @@ EOF
 
 data_parallel() {  # data_parallel NAME SHAPE
   local name=$1 model=$S/$2
-  rm -f "$R/${name}_one.jsonl" "$R/${name}_two.jsonl"
+  stage_shapes "$2" >/dev/null
+  rm -f "$R/${name}_one.jsonl" "$R/${name}_two.jsonl" "$R/${name}"_*.summary.json
   CUDA_VISIBLE_DEVICES=0 step "${name}_one" 540 "${RUN[@]}" "$S/jobs2048.jsonl" --model "$model" --batch-size auto \
     -o "$R/${name}_one.jsonl" --summary "$R/${name}_one.summary.json" || return 1
   step "${name}_two" 540 "${LAUNCH[@]}" "${RUN[@]}" "$S/jobs2048.jsonl" --model "$model" --batch-size auto \
@@ -109,9 +103,10 @@ stage_dp7b() { data_parallel dp7b qwen2.5-7b; }
 
 stage_tp7b() {  # one job (256 tokens, batch 1) and 32 rows (--batch-size 32), 1 GPU then tensor parallel over 2
   local model=$S/qwen2.5-7b n
+  stage_shapes qwen2.5-7b >/dev/null
   for n in 1 32; do
     head -n "$n" "$S/jobs2048.jsonl" | sed 's/"max_tokens": 128/"max_tokens": 256/' >"$S/tp_$n.jsonl"
-    rm -f "$R/tp7b_${n}_one.jsonl" "$R/tp7b_${n}_two.jsonl"
+    rm -f "$R/tp7b_${n}_one.jsonl" "$R/tp7b_${n}_two.jsonl" "$R/tp7b_${n}"_*.summary.json
     CUDA_VISIBLE_DEVICES=0 step "tp7b_${n}_one" 300 "${RUN[@]}" "$S/tp_$n.jsonl" --model "$model" --batch-size "$n" \
       -o "$R/tp7b_${n}_one.jsonl" --summary "$R/tp7b_${n}_one.summary.json"
     step "tp7b_${n}_two" 300 "${LAUNCH[@]}" "${RUN[@]}" "$S/tp_$n.jsonl" --model "$model" --batch-size "$n" \
@@ -123,6 +118,7 @@ stage_tp7b() {  # one job (256 tokens, batch 1) and 32 rows (--batch-size 32), 1
 
 stage_kill() {  # rank 1 killed once 200 lines are written; then the same command again
   local out=$R/kill.jsonl pid
+  stage_shapes qwen2.5-0.5b >/dev/null
   rm -f "$out" "$R"/.kill.jsonl.*
   "${LAUNCH[@]}" "${RUN[@]}" "$S/jobs2048.jsonl" --model "$S/qwen2.5-0.5b" --batch-size auto -o "$out" \
     >"$R/kill_first.log" 2>&1 &
