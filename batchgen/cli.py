@@ -4,7 +4,8 @@ Core modules raise plain exceptions; this one turns them into one-line
 messages on stderr and exit codes: 0 ok, 1 some jobs failed (this run or an
 earlier one whose error lines the output keeps), 2 unusable input or options,
 or an output that cannot be written (finished lines kept), 130/143/129 stopped
-by SIGINT/SIGTERM/SIGHUP, 141 the reader of `-o -` closed the pipe.
+by SIGINT/SIGTERM/SIGHUP, 141 the reader of `-o -` closed the pipe, 75 (a run
+over several ranks) another rank stopped answering.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def _parse_interval(text: str) -> float | None:
         raise click.BadParameter(str(e)) from None
 
 
+def _parse_tensor_parallel(text: str):
+    if text in ("auto", "all"):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise click.BadParameter(f"--tensor-parallel must be a positive integer, 'all' or 'auto', got {text!r}")
+
+
 def _parse_batch_size(text: str | None):
     if text is None or text == "auto":
         return text
@@ -137,6 +146,8 @@ def main():
 @click.option("--batch-size", default=None, help="Jobs decoding together: N, or auto (fit the KV budget); default 1 on a CPU, auto on a GPU.")
 @click.option("--kv-budget", default=None, help="Memory for the batch's KV cache, e.g. 20GB (default: half the free memory).")
 @click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the run summary JSON here.")
+@click.option("--tensor-parallel", default="auto", show_default=True, callback=lambda _c, _p, v: _parse_tensor_parallel(v),
+              help="Under mlx.launch: ranks that hold one model copy (N, all); auto: 1 unless the weights do not fit a device.")
 @click.option("--retry-failed", is_flag=True, help="On resume, run again the jobs whose earlier line is an error.")
 @click.option("--no-fsync", is_flag=True, help="Flush each line but skip fsync.")
 @click.option("--log-every", default="30s", show_default=True, callback=lambda _c, _p, v: _parse_interval(v),
@@ -144,10 +155,14 @@ def main():
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
 def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
         kv_cache, kv_bits, dtype, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
-        prewarm_file, batch_size, kv_budget, summary_path, retry_failed, no_fsync, log_every, quiet):  # fmt: skip
-    """Generate a result line for every job in JOBS (a JSONL file, or - for stdin)."""
+        prewarm_file, batch_size, kv_budget, summary_path, tensor_parallel, retry_failed, no_fsync, log_every,
+        quiet):  # fmt: skip
+    """Generate a result line for every job in JOBS (a JSONL file, or - for stdin).
+
+    Under `mlx.launch -n N` (or `batchgen launch`), N ranks share the jobs and
+    write one output; `--tensor-parallel` ranks hold one model copy together."""
     _setup_logging(quiet)
-    from .runner import RunError, default_output, run_jobs, save_summary, spool_stdin
+    from .runner import RunError, default_output, launched, run_jobs, save_summary, spool_stdin
 
     engine = EngineConfig(
         model=model or str(DEMO_MODEL_DIR),
@@ -165,7 +180,12 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         batch_size=_parse_batch_size(batch_size),
         kv_budget_bytes=_parse_bytes(kv_budget),
     )
-    if jobs != "-" and not Path(jobs).is_file():
+    ranked = launched()
+    if ranked and jobs == "-":
+        if os.environ.get("MLX_RANK", "0") != "0":
+            sys.exit(2)  # rank 0 says why
+        _fail("jobs from stdin (-) cannot be read by launched ranks (a launcher never ends their input); give a file")
+    if jobs != "-" and not Path(jobs).is_file() and not ranked:  # ranked: rank 0 names the rank that lacks it
         _fail(f"cannot read job file {jobs}: no such file")
     jobs_path = spool_stdin() if jobs == "-" else Path(jobs)
     cfg = RunConfig(
@@ -178,17 +198,28 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         quiet=quiet,
         fsync=not no_fsync,
         retry_failed=retry_failed,
+        tensor_parallel=tensor_parallel,
     )
-    progress = not quiet and sys.stderr.isatty()
+    # A launched rank writes to the launcher's pipe; mlx.launch sets COLUMNS and
+    # LINES when it has a terminal itself, where it passes a bar's redraws on.
+    terminal = sys.stderr.isatty() or (ranked and "COLUMNS" in os.environ and "LINES" in os.environ)
+    progress = not quiet and terminal
     log_every_s = None if quiet or progress else log_every  # no terminal: plain lines for logs
     try:
-        outcome = run_jobs(cfg, jobs_path, progress, log_every_s)
+        if ranked:
+            from .ranks import run_ranks
+
+            outcome = run_ranks(cfg, jobs_path, progress, log_every_s)
+        else:
+            outcome = run_jobs(cfg, jobs_path, progress, log_every_s)
     except RunError as e:
-        _fail(str(e))
+        _fail(str(e), e.code)
     finally:
         if jobs == "-":
             jobs_path.unlink(missing_ok=True)
     summary = outcome.summary
+    if summary is None:  # a rank other than 0: rank 0 reports the run
+        sys.exit(outcome.exit_code)
     if not quiet:
         for line in summary.lines():
             click.echo(f"batchgen: {line}", err=True)
@@ -198,6 +229,17 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         except RunError as e:
             _fail(str(e))
     sys.exit(outcome.exit_code)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,
+                                "help_option_names": []})  # fmt: skip
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def launch(args):
+    """mlx.launch with the same arguments (`batchgen launch -n 2 -- batchgen run JOBS`), exiting
+    with the run's code: rank 0's, or that of the first rank to fail (mlx.launch itself exits 0)."""
+    from .launch import launch as launch_ranks
+
+    sys.exit(launch_ranks(list(args)))
 
 
 @main.command()

@@ -122,6 +122,10 @@ class RunConfig:
     quiet: bool = False
     fsync: bool = True
     retry_failed: bool = False
+    # Under a launcher (`mlx.launch -n N`): ranks that hold one model copy
+    # together (tensor parallel), an int, "all", or "auto": 1 unless the
+    # weights do not fit a device. One process: 1.
+    tensor_parallel: int | str = "auto"
 
 
 @dataclass(frozen=True)

@@ -406,11 +406,12 @@ def _system_of(job: Job) -> str | None:
     return None
 
 
-def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None) -> tuple[ScanReport, Defaults]:
+def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None, on_item=None) -> tuple[ScanReport, Defaults]:
     """Check the whole file; raise `JobFileError` if it cannot be run.
 
     Holds only ids and a digest per distinct system prompt, so memory stays
-    flat however many jobs the file has.
+    flat however many jobs the file has. `on_item` sees every job line's
+    `Job` or `BadJob`, in file order.
     """
     header, header_line = read_header(path)
     defaults = Defaults(header, max_tokens, seed)
@@ -419,6 +420,8 @@ def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None) -> tup
     systems: Counter = Counter()
     first_line_of: dict[bytes, int] = {}
     for item in iter_jobs(path, defaults, report.format, header_line):
+        if on_item is not None:
+            on_item(item)
         report.jobs += 1
         report.ids.add(item.id)
         # Ids are unique over bad lines too: each line, good or bad, gets one

@@ -4,16 +4,27 @@ Each result is one `write` of a whole line, flushed and (by default) fsync'd
 before the next job starts, so a crash loses at most the line being written.
 Such a torn last line has no newline; `open_output` cuts it off before
 appending, so nothing is ever duplicated or half-parsed.
+
+A run over several ranks (`mlx.launch`) has one writer of the output, rank 0;
+every other rank appends its lines, the same way, to a part file of its own
+beside the output (`.<name>.part-<run>-<rank>`). Rank 0 folds them in: each
+whole line whose id the output does not hold yet is appended, and a part is
+deleted only once everything in it is in the output and fsync'd. A part left
+behind (a rank killed) is folded in by the next run on the output, whatever
+its number of ranks, so a reader of the output only ever sees whole lines,
+each id once, and a part's lines are never lost.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import orjson
 
@@ -139,17 +150,43 @@ def _is_error_line(obj: dict) -> bool:
     return obj.get("error") is not None
 
 
+def line_figures(obj: dict) -> tuple[bool, int]:
+    """(ok, completion tokens) of a parsed result line, native or OpenAI.
+
+    >>> line_figures({"id": "a", "text": "hi", "usage": {"completion_tokens": 3}, "error": None})
+    (True, 3)
+    >>> line_figures({"custom_id": "a", "response": None, "error": {"code": "x"}})
+    (False, 0)
+    """
+    if _is_error_line(obj):
+        return False, 0
+    usage = obj["response"]["body"].get("usage") if "custom_id" in obj else obj.get("usage")
+    return True, int((usage or {}).get("completion_tokens", 0))
+
+
 # Every line batchgen writes starts so (orjson keeps the dicts' key order, and
 # both shapes put "id" first): a torn tail is cut only when it is the start of
 # one of ours, never when it is some other file's last line.
 _LINE_START = b'{"id":'
 
 
+def _parsed(raw: bytes) -> tuple:
+    """(the parsed line or None, its job key or None when it is not a result line)."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None, None
+    return obj, _line_key(obj)
+
+
 @dataclass
 class ResumeIndex:
-    done: set = field(default_factory=set)  # keys with a complete line
+    done: set = field(default_factory=set)  # keys with a complete line (in the output or a part)
     failed: set = field(default_factory=set)  # keys whose line is an error
     torn_bytes: int = 0  # bytes of a torn last line, cut off on open
+    parts: list = field(default_factory=list)  # part files left beside the output, folded in on open
+    in_parts: set = field(default_factory=set)  # keys whose line is in a part only
+    folded: int = 0  # lines moved from parts into the output on open
 
 
 def _not_ours(path: Path, n: int, why: str = "") -> OutputFileError:
@@ -165,10 +202,16 @@ def read_resume_index(path: Path) -> ResumeIndex:
     our lines is noted for `open_output` to cut. Any other line that is not a
     result, and any id answered twice, is refused by line number: the file is
     then not a clean batchgen output, and appending to it would hide that.
+    The part files beside it (an earlier run's ranks') count too.
     """
     index = ResumeIndex()
-    if not path.exists():
-        return index
+    if path.exists():
+        _read_output(path, index)
+    _read_parts(path, index)
+    return index
+
+
+def _read_output(path: Path, index: ResumeIndex) -> None:
     first_line: dict[str, int] = {}
     try:
         f = open(path, "rb")
@@ -183,11 +226,7 @@ def read_resume_index(path: Path) -> ResumeIndex:
                 raise _not_ours(path, n, " (nor the start of one)")
             if not raw.strip():
                 continue
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                obj = None
-            key = _line_key(obj)
+            obj, key = _parsed(raw)
             if key is None:
                 raise _not_ours(path, n)
             if key in first_line:
@@ -199,7 +238,84 @@ def read_resume_index(path: Path) -> ResumeIndex:
             index.done.add(key)
             if _is_error_line(obj):
                 index.failed.add(key)
-    return index
+
+
+def _read_parts(path: Path, index: ResumeIndex) -> None:
+    """Ids in the part files beside `path` count as done; a part's id that the
+    output (or an earlier part) holds is a fold cut short, not a repeat."""
+    for part in part_files(path):
+        for n, raw in PartTail(part).numbered():
+            obj, key = _parsed(raw)
+            if key is None:
+                raise OutputFileError(f"part file {part} line {n} is not a batchgen result line; "
+                                      "move the file away to go on without its lines")  # fmt: skip
+            if key in index.done:
+                continue  # in the output already: a fold cut short before the part was deleted
+            index.done.add(key)
+            index.in_parts.add(key)
+            if _is_error_line(obj):
+                index.failed.add(key)
+        index.parts.append(part)
+
+
+# A part file's name: `.<output name>.part-<run id>-<rank>`.
+_PART = re.compile(r"\.part-([0-9a-f]+)-(\d+)$")
+
+
+def part_path(output: Path, run_id: str, rank: int) -> Path:
+    """Where rank `rank` of run `run_id` appends its result lines.
+
+    >>> part_path(Path("out/a.jsonl"), "3f2a", 1).as_posix()
+    'out/.a.jsonl.part-3f2a-1'
+    """
+    return output.with_name(f".{output.name}.part-{run_id}-{rank}")
+
+
+def part_files(output: Path) -> list[Path]:
+    """The part files beside `output`, of any run, in name order."""
+    prefix = f".{output.name}.part-"
+    try:
+        names = os.listdir(output.parent if str(output.parent) else ".")
+    except OSError:
+        return []
+    ours = (n for n in names if n.startswith(prefix) and _PART.search(n[len(output.name) + 1 :]))
+    return sorted(output.with_name(n) for n in ours)
+
+
+class PartTail:
+    """Reads a part file's whole lines as they are appended: `read` yields
+    the lines completed since the last read (a line still being written, or
+    torn by a crash, waits for its newline). Consume what it yields: the
+    position moves as lines are taken."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0  # bytes of the lines taken so far
+        self.lines = 0  # lines taken so far
+
+    def read(self) -> Iterator[bytes]:
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return
+        with f:
+            f.seek(self.offset)
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    return
+                self.offset += len(raw)
+                if raw.strip():
+                    self.lines += 1
+                    yield raw
+
+    def numbered(self) -> Iterator[tuple[int, bytes]]:
+        """Every whole line from the start, with its 1-based line number."""
+        self.offset = self.lines = 0
+        n = 0
+        for raw in self.read():
+            n += 1
+            yield n, raw
+
 
 
 def _cut_torn_tail(path: Path, torn_bytes: int) -> None:
@@ -249,7 +365,10 @@ class ResultWriter:
         self.written = 0
 
     def write(self, r: Result) -> None:
-        line = result_line(r)
+        self.write_line(result_line(r))
+
+    def write_line(self, line: bytes) -> None:
+        """One whole result line, as `write` gives it."""
         if self._is_stdout:
             try:
                 self._stream.write(line)
@@ -276,14 +395,50 @@ class ResultWriter:
                 pass  # a resume cuts the torn tail instead
             raise OutputWriteError(f"cannot write output file {self._stream.name}: {e.strerror}") from None
 
+    def sync(self) -> None:
+        """Everything written is on disk (whatever `fsync` said per line)."""
+        if not self._is_stdout:
+            try:
+                os.fsync(self._stream.fileno())
+            except OSError as e:
+                raise OutputWriteError(f"cannot write output file {self._stream.name}: {e.strerror}") from None
+
     def close(self) -> None:
         if not self._is_stdout:
             self._stream.close()
 
 
+def fold(writer: ResultWriter, lines: Iterable[bytes], seen: set, source: Path) -> list[dict]:
+    """Append each result line of `lines` whose key `seen` lacks (adding it);
+    return the lines appended, parsed. A line that is not a result is refused
+    by name (`source`), never copied."""
+    folded = []
+    for raw in lines:
+        obj, key = _parsed(raw)
+        if key is None:
+            raise OutputFileError(f"part file {source} holds a line that is not a batchgen result line")
+        if key in seen:
+            continue
+        writer.write_line(raw if raw.endswith(b"\n") else raw + b"\n")
+        seen.add(key)
+        folded.append(obj)
+    return folded
+
+
+def fold_parts(writer: ResultWriter, parts: list[Path], seen: set) -> int:
+    """Fold whole part files in, make the output durable, then delete them
+    (a part goes only once its lines are on disk in the output)."""
+    n = sum(len(fold(writer, PartTail(part).read(), seen, part)) for part in parts)
+    writer.sync()
+    for part in parts:
+        part.unlink(missing_ok=True)
+    return n
+
+
 def open_output(path: str, index: ResumeIndex, fsync: bool, retry_failed: bool) -> ResultWriter:
-    """Open the output for appending, first repairing a torn tail (and dropping
-    failed lines when they are to be retried)."""
+    """Open the output for appending, first repairing a torn tail, folding in
+    part files left by an earlier run (and dropping failed lines when they
+    are to be retried)."""
     if path == "-":
         return ResultWriter(sys.stdout.buffer, fsync=False)
     p = Path(path)
@@ -291,11 +446,18 @@ def open_output(path: str, index: ResumeIndex, fsync: bool, retry_failed: bool) 
         p.parent.mkdir(parents=True, exist_ok=True)
         if index.torn_bytes:
             _cut_torn_tail(p, index.torn_bytes)
+        if index.parts:  # an earlier run's ranks' lines: into the output first
+            with open(p, "ab", buffering=0) as stream:
+                index.folded = fold_parts(ResultWriter(stream, fsync=False), index.parts, index.done - index.in_parts)
+            index.parts, index.in_parts = [], set()
         if retry_failed and index.failed:
             _drop_keys(p, index.failed)
+            index.done, index.failed = index.done - index.failed, set()  # what the file holds now
         stream = open(p, "ab", buffering=0)
     except OSError as e:
         raise OutputFileError(f"cannot write output file {p}: {e.strerror}") from None
+    except OutputWriteError as e:
+        raise OutputFileError(str(e)) from None
     return ResultWriter(stream, fsync)
 
 

@@ -49,8 +49,9 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
-def format_line(done: int, total: int, failed: int, tokens_per_s: float, elapsed_s: float) -> str:
-    """The progress line, without the `batchgen: ` prefix the log adds.
+def format_line(done: int, total: int, failed: int, tokens_per_s: float, elapsed_s: float, ranks: str = "") -> str:
+    """The progress line, without the `batchgen: ` prefix the log adds; a run
+    over several ranks adds each rank's figures (`format_ranks`).
 
     >>> format_line(120, 1000, 3, 845.2, 130.0)
     'progress: 120/1000 jobs (12%), 3 failed, 845.2 tok/s, elapsed 2m10s, ETA 15m53s'
@@ -63,7 +64,25 @@ def format_line(done: int, total: int, failed: int, tokens_per_s: float, elapsed
     else:
         eta = ""
     return (f"progress: {done}/{total} jobs{pct}, {failed} failed, {tokens_per_s:.1f} tok/s, "
-            f"elapsed {format_duration(elapsed_s)}{eta}")  # fmt: skip
+            f"elapsed {format_duration(elapsed_s)}{eta}" + (f"; {ranks}" if ranks else ""))  # fmt: skip
+
+
+def format_ranks(rows: list[tuple[int, int | None, int, float]], elapsed_s: float) -> str:
+    """Each rank's jobs done of its share and its tok/s (completion tokens
+    over the elapsed time), so a lagging rank shows; (rank, jobs done or None
+    where rank 0 cannot see that rank's lines until the end, its share,
+    completion tokens).
+
+    >>> format_ranks([(0, 40, 50, 3000), (1, 20, 50, 1500), (2, None, 50, 0)], 10.0)
+    'ranks: 0 40/50 300.0 tok/s, 1 20/50 150.0 tok/s, 2 ?/50 (another machine)'
+    """
+    parts = []
+    for rank, done, share, tokens in rows:
+        if done is None:
+            parts.append(f"{rank} ?/{share} (another machine)")
+        else:
+            parts.append(f"{rank} {done}/{share} {tokens / elapsed_s if elapsed_s > 0 else 0.0:.1f} tok/s")
+    return "ranks: " + ", ".join(parts)
 
 
 class ProgressLog:
@@ -83,13 +102,13 @@ class ProgressLog:
         self.next_at = self.start + every_s
         self.lines = 0
 
-    def update(self, done: int, failed: int, tokens: int) -> bool:
+    def update(self, done: int, failed: int, tokens: int, ranks: str = "") -> bool:
         now = self.clock()
         if now < self.next_at:
             return False
         elapsed = now - self.start
         tps = tokens / elapsed if elapsed > 0 else 0.0
-        self.emit(format_line(done, self.total, failed, tps, elapsed))
+        self.emit(format_line(done, self.total, failed, tps, elapsed, ranks))
         self.lines += 1
         # The next line one interval after this one (not after the missed
         # deadlines: a long job gives one line, not a burst of them).

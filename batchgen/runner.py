@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,11 +44,29 @@ EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 EXIT_INTERRUPTED = EXIT_SIGNAL[signal.SIGINT]
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of `-o -` went away
+# A rank of a run over several ranks lost another (finished lines kept): the
+# other rank's own code says why (sysexits' EX_TEMPFAIL: run again to resume).
+EXIT_PEER_LOST = 75
+
+
+# Set by the launchers: mlx.launch (every backend), mpirun.
+LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launched() -> bool:
+    """Whether a launcher started this process as a rank (`batchgen.ranks`
+    then runs it); read from the environment, so that one process imports
+    nothing distributed."""
+    return any(k in os.environ for k in LAUNCH_ENV)
 
 
 class RunError(Exception):
-    """The run cannot start, or cannot go on writing (exit code 2); the
-    message is one line. Lines written before it stay whole."""
+    """The run cannot start, or cannot go on writing (exit code 2, or
+    `code`); the message is one line. Lines written before it stay whole."""
+
+    def __init__(self, message: str, code: int = EXIT_UNUSABLE):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -87,15 +106,17 @@ class Stopped(BaseException):
         self.signum = signum
 
 
-class _StopSignals:
+class StopSignals:
     """SIGINT, SIGTERM and SIGHUP raise `Stopped` in the main thread, except
     while a result line is being written: then the stop waits for the line to
-    be whole (and counted), so a signal can neither tear nor lose it."""
+    be whole (and counted), so a signal can neither tear nor lose it.
+    `received` is set once the main thread has seen a stop."""
 
     def __init__(self):
         self._writing = False
         self._pending: int | None = None
         self._previous: dict = {}
+        self.received = threading.Event()
 
     def __enter__(self):
         for sig in EXIT_SIGNAL:
@@ -107,6 +128,7 @@ class _StopSignals:
             signal.signal(sig, handler)
 
     def _handle(self, signum, _frame):
+        self.received.set()
         if self._writing:
             self._pending = signum
         else:
@@ -157,7 +179,7 @@ def save_summary(path: Path, summary: RunSummary) -> None:
         raise RunError(f"cannot write summary {path}: {e.strerror} (every result line is in the output)") from None
 
 
-def _check_paths(cfg: RunConfig, jobs_path: Path) -> None:
+def check_paths(cfg: RunConfig, jobs_path: Path) -> None:
     if cfg.output_path != "-":
         out = Path(cfg.output_path)
         if out.is_dir():
@@ -176,7 +198,10 @@ def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool, log_every_s: float
     """`progress`: a tqdm bar on stderr (a terminal); `log_every_s`: else a
     plain progress line on stderr every so many seconds (None: none)."""
     wall = Timer()
-    _check_paths(cfg, jobs_path)
+    tp = cfg.tensor_parallel
+    if isinstance(tp, int) and tp > 1:
+        raise RunError(f"--tensor-parallel {tp} needs {tp} ranks: mlx.launch -n {tp} -- batchgen run ...")
+    check_paths(cfg, jobs_path)
     lock = OutputLock(Path(cfg.output_path)) if cfg.output_path != "-" else None
     try:
         scan, defaults = scan_jobs(jobs_path, cfg.default_max_tokens, cfg.default_seed)
@@ -197,14 +222,16 @@ def run_jobs(cfg: RunConfig, jobs_path: Path, progress: bool, log_every_s: float
 def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every_s=None) -> Outcome:
     retry = index.failed if cfg.retry_failed else set()
     done = index.done - retry
-    engine = _load_engine(cfg)
-    summary = _start_summary(cfg, engine)
+    engine = load_engine(cfg)
+    summary = start_summary(cfg, engine)
     try:
         writer = open_output(cfg.output_path, index, cfg.fsync, cfg.retry_failed)
     except OutputFileError as e:
         raise RunError(str(e)) from None
     if index.torn_bytes:
         log.info(f"repaired a torn last line ({index.torn_bytes} bytes) in {cfg.output_path}")
+    if index.folded:
+        log.info(f"took in {index.folded} result lines an earlier run's ranks left in part files")
     todo = (item for item in iter_jobs(jobs_path, defaults, scan.format, scan.header_line) if item.id not in done)
     summary.total = scan.jobs
     summary.skipped = len(scan.ids & done)
@@ -213,47 +240,32 @@ def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every
         log.info(f"resuming: {summary.skipped} jobs already have results in {cfg.output_path}")
     if summary.failed_earlier:
         log.warning(f"{summary.failed_earlier} of them are error lines; --retry-failed runs them again")
-    bar = None
     code = None
-    stops = _StopSignals()
+    stops = StopSignals()
+    shown = None
     try:
         with stops:
-            _prewarm(cfg, engine, scan, summary)
-            bar = _progress_bar(scan.jobs - summary.skipped, progress)
-            every = ProgressLog(scan.jobs - summary.skipped, log_every_s, log.info) if log_every_s and bar is None else None
+            prewarm(cfg, engine, scan, summary)
+            shown = Progress(scan.jobs - summary.skipped, progress, log_every_s)
+
+            def show(_result) -> None:
+                shown.update(summary.ok + summary.failed, summary.failed, summary.completion_tokens, summary.decode_tps)
+
             # rows wanted: a job of n samples takes n (its skipped jobs' counted too: a cap, not a count)
-            for result in engine.run_all(todo, total=scan.jobs - summary.skipped + scan.extra_samples):
-                result.stats.finished_at = round(time.time(), 3)
-                with stops.writing():
-                    writer.write(result)
-                    summary.add(result)
-                if not result.ok:
-                    log.warning(f"job {result.id!r} (line {result.line}) failed: {result.error.type}: {result.error.message}")
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"{summary.decode_tps:.1f} tok/s")
-                elif every is not None:
-                    every.update(summary.ok + summary.failed, summary.failed, summary.completion_tokens)
+            write_results(engine.run_all(todo, total=scan.jobs - summary.skipped + scan.extra_samples), writer, summary,
+                          stops, show)
     except (Stopped, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         summary.interrupted = True
-        code = EXIT_SIGNAL[signum]
-        log.warning(
-            f"interrupted after {writer.written} jobs ({signal.Signals(signum).name}); their results are in "
-            f"{cfg.output_path}; run the same command again to resume"
-        )
+        code = stop_code(e)
+        log.warning(interrupted(code, writer.written, cfg.output_path))
     except OutputClosed:
-        summary.interrupted = True
-        code = EXIT_BROKEN_PIPE
-        _silence_stdout()
-        log.warning(f"the output's reader closed it after {writer.written} jobs; stopped")
+        code = reader_gone(summary, writer.written)
     except OutputWriteError as e:
-        raise RunError(f"{e}; stopped after {writer.written} jobs, every finished line kept; "
-                       "run the same command again to resume") from None  # fmt: skip
+        raise RunError(write_failed(e, writer.written)) from None
     finally:
         writer.close()
-        if bar is not None:
-            bar.close()
+        if shown is not None:
+            shown.close()
     summary.wall_s = wall.elapsed_s
     summary.batch = {k: round(v, 4) if isinstance(v, float) else v for k, v in engine.batch_report.items()}
     if code is None:
@@ -261,7 +273,65 @@ def _run_locked(cfg, jobs_path, progress, scan, defaults, index, wall, log_every
     return Outcome(summary, code)
 
 
-def _silence_stdout() -> None:
+def write_results(results, writer, summary: RunSummary, stops: StopSignals, after=None) -> None:
+    """Write each result as one whole line and count it (a stop waits for
+    both), warn about a failed job, then `after(result)`."""
+    for result in results:
+        result.stats.finished_at = round(time.time(), 3)
+        with stops.writing():
+            writer.write(result)
+            summary.add(result)
+        if not result.ok:
+            log.warning(f"job {result.id!r} (line {result.line}) failed: {result.error.type}: {result.error.message}")
+        if after is not None:
+            after(result)
+
+
+def stop_code(e: BaseException) -> int:
+    """The exit code of a stop signal (`Stopped`, or Python's own SIGINT)."""
+    return EXIT_SIGNAL[e.signum if isinstance(e, Stopped) else signal.SIGINT]
+
+
+def interrupted(code: int, written: int, where: str) -> str:
+    name = next(sig.name for sig, c in EXIT_SIGNAL.items() if c == code)
+    return (f"interrupted after {written} jobs ({name}); their results are in {where}; "
+            "run the same command again to resume")  # fmt: skip
+
+
+def reader_gone(summary: RunSummary, written: int) -> int:
+    """The reader of `-o -` closed it: stopped, stdout silenced; the exit code."""
+    summary.interrupted = True
+    silence_stdout()
+    log.warning(f"the output's reader closed it after {written} jobs; stopped")
+    return EXIT_BROKEN_PIPE
+
+
+def write_failed(e: OutputWriteError, written: int) -> str:
+    return f"{e}; stopped after {written} jobs, every finished line kept; run the same command again to resume"
+
+
+class Progress:
+    """A tqdm bar on a terminal (`bar`), else a plain line on stderr every
+    `log_every_s` seconds (None: neither)."""
+
+    def __init__(self, total: int, bar: bool, log_every_s: float | None, emit=None):
+        self.bar = progress_bar(total, bar)
+        emit = emit or log.info
+        self.every = ProgressLog(total, log_every_s, emit) if log_every_s and self.bar is None else None
+
+    def update(self, done: int, failed: int, tokens: int, decode_tps: float, ranks: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            self.bar.set_postfix_str(f"{decode_tps:.1f} tok/s" + (f"; {ranks}" if ranks else ""))
+        elif self.every is not None:
+            self.every.update(done, failed, tokens, ranks)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def silence_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's last flush of a closed
     pipe cannot fail again at exit."""
     try:
@@ -272,19 +342,19 @@ def _silence_stdout() -> None:
         pass
 
 
-def _load_engine(cfg: RunConfig):
+def load_engine(cfg: RunConfig, tensor_group=None):
     timer = Timer()  # mlx-lm's first import (transformers) is part of loading
     from .engine.core import Engine, ModelLoadError
 
     try:
-        engine = Engine.load(cfg.engine)
+        engine = Engine.load(cfg.engine, tensor_group)
     except ModelLoadError as e:
         raise RunError(str(e)) from None
     engine.load_s = timer.elapsed_s
     return engine
 
 
-def _start_summary(cfg: RunConfig, engine) -> RunSummary:
+def start_summary(cfg: RunConfig, engine) -> RunSummary:
     from .engine.core import device_name
 
     d = engine.config.decode  # as resolved for this device
@@ -310,7 +380,7 @@ def _start_summary(cfg: RunConfig, engine) -> RunSummary:
     return s
 
 
-def _prewarm(cfg: RunConfig, engine, scan: ScanReport, summary: RunSummary) -> None:
+def prewarm(cfg: RunConfig, engine, scan: ScanReport, summary: RunSummary) -> None:
     pc = cfg.engine.prompt_cache
     if not (pc.enabled and pc.prewarm):
         return
@@ -326,7 +396,7 @@ def _prewarm(cfg: RunConfig, engine, scan: ScanReport, summary: RunSummary) -> N
     summary.prewarm = {"tokens": info["tokens"], "seconds": info["seconds"]}
 
 
-def _progress_bar(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm import tqdm

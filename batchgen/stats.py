@@ -120,6 +120,29 @@ class RunSummary:
     pld_max_lookup: int = 0
     interrupted: bool = False
     batch: dict = field(default_factory=lambda: {"rows": 1})  # rows; batched: steps, prompt_s
+    # A run over several ranks: {"ranks", "data", "tensor"} and each rank's own
+    # figures (`rank_figures`); empty for one process.
+    parallel: dict = field(default_factory=dict)
+    ranks: list = field(default_factory=list)
+
+    def absorb(self, other: "RunSummary") -> None:
+        """Add another rank's results (the jobs it wrote) to this summary."""
+        self.ok += other.ok
+        self.failed += other.failed
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.cached_tokens += other.cached_tokens
+        self.decode_s += other.decode_s
+        self.decode_tokens += other.decode_tokens
+        self.peak_memory_gb = max(self.peak_memory_gb, other.peak_memory_gb)
+        self.load_s = max(self.load_s, other.load_s)
+        self.model_memory_gb = max(self.model_memory_gb, other.model_memory_gb)
+
+    def counts(self) -> dict:
+        """What `absorb` adds, as data another rank can send."""
+        keys = ("ok", "failed", "prompt_tokens", "completion_tokens", "cached_tokens", "decode_s", "decode_tokens",
+                "peak_memory_gb", "load_s", "model_memory_gb", "wall_s", "device")  # fmt: skip
+        return {k: getattr(self, k) for k in keys}
 
     def add(self, r: Result) -> None:
         if not r.ok:
@@ -173,6 +196,7 @@ class RunSummary:
             "kv_cache": self.kv_cache,
             "batch": self.batch,
             "interrupted": self.interrupted,
+            **({"parallel": self.parallel, "ranks": self.ranks} if self.ranks else {}),
         }
 
     def lines(self) -> list[str]:
@@ -193,7 +217,40 @@ class RunSummary:
             f"pld_max_lookup={d['pld_max_lookup']} kv_cache={d['kv_cache']} "
             f"fusion qkv={f.get('qkv', 0)} gate_up={f.get('gate_up', 0)} experts={f.get('experts', 0)} "
             f"batch rows={d['batch'].get('rows', 1)}" + _batched_draft(d["batch"]),
-        ]
+        ] + ([_ranks_line(self.parallel, self.ranks)] if self.ranks else [])
+
+
+def rank_figures(rank: int, counts: dict, jobs: int) -> dict:
+    """One rank's line in the summary's `ranks`, from its `RunSummary.counts`
+    and the jobs of its share.
+
+    >>> rank_figures(1, {"ok": 9, "failed": 1, "completion_tokens": 500, "wall_s": 10.0, "decode_s": 4.0,
+    ...                  "decode_tokens": 480, "peak_memory_gb": 1.5, "model_memory_gb": 1.0, "device": "cpu"}, 10)
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'rank': 1, 'device': 'cpu', 'share': 10, 'ok': 9, 'failed': 1, 'completion_tokens': 500, 'wall_s': 10.0,
+     'throughput_tps': 50.0, 'decode_tps': 120.0, 'peak_memory_gb': 1.5, 'model_memory_gb': 1.0}
+    """
+    wall, decode_s = counts["wall_s"], counts["decode_s"]
+    return {
+        "rank": rank,
+        "device": counts["device"],
+        "share": jobs,
+        "ok": counts["ok"],
+        "failed": counts["failed"],
+        "completion_tokens": counts["completion_tokens"],
+        "wall_s": round(wall, 3),
+        "throughput_tps": round(counts["completion_tokens"] / wall, 2) if wall > 0 else 0.0,
+        "decode_tps": round(counts["decode_tokens"] / decode_s, 2) if decode_s > 0 else 0.0,
+        "peak_memory_gb": round(counts["peak_memory_gb"], 4),
+        "model_memory_gb": round(counts["model_memory_gb"], 4),
+    }
+
+
+def _ranks_line(parallel: dict, ranks: list) -> str:
+    each = ", ".join(f"rank {r['rank']} {r['ok'] + r['failed']}/{r['share']} jobs {r['throughput_tps']} tok/s"
+                     for r in ranks)  # fmt: skip
+    return (f"ranks: {parallel['ranks']} ({parallel['data']} x data parallel, {parallel['tensor']} x tensor "
+            f"parallel): {each}")  # fmt: skip
 
 
 def _batched_draft(batch: dict) -> str:

@@ -24,19 +24,7 @@ R=$OUT/results
 mkdir -p "$R"
 DEADLINE=$((SECONDS + ${BUDGET_S:-570}))  # the whole call's time; results are packed after it
 
-step() {  # step NAME SECONDS CMD...: run, log to $R/NAME.log, print its tail
-  local name=$1 limit=$2
-  shift 2
-  local left=$((DEADLINE - SECONDS))
-  if ((left < 15)); then echo "=== $name skipped: out of time"; return; fi
-  ((limit > left)) && limit=$left
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$R/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - t0))s"
-  tail -n 3 "$R/$name.log"
-  return $rc
-}
+. "$(dirname "$0")/step.sh"  # step NAME SECONDS CMD...
 
 sides() {  # "new" (this tree) and, with BASELINE, "old", in the order SIDES gives (default: new old)
   local s

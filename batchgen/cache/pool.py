@@ -235,7 +235,9 @@ def save_prewarm(path: Path, cache: list, tokens: Sequence[int], key: str) -> No
     tensors' checksum as metadata (the checksum is taken over the tensors as
     written, read back, so it covers exactly what `load_prewarm` reads)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.safetensors")
+    # A temp file of this process's own: the ranks of a run on one machine may
+    # save the same cache at once, and each rename then puts a whole file there.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.safetensors")
     metadata = {"batchgen_key": key, "tokens": json.dumps(list(tokens))}
     mlx_cache.save_prompt_cache(str(tmp), cache, metadata)
     arrays, meta = mx.load(str(tmp), return_metadata=True)

@@ -65,19 +65,40 @@ class ModelLoadError(Exception):
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def load_model(spec: str):
-    """`mlx_lm.load` with one clear error for a missing or broken model."""
+def load_model(spec: str, tensor_group=None):
+    """`mlx_lm.load` with one clear error for a missing or broken model. With
+    a `tensor_group` (tensor parallelism) each rank keeps its shard of every
+    layer: loaded lazily, split by mlx-lm's `model.shard`, then evaluated, so
+    no rank ever holds the whole model."""
     from mlx_lm import load
 
     path = Path(spec).expanduser()
     if not path.exists() and not _HUB_ID.match(spec):
         raise ModelLoadError(f"model not found: {spec} (no such directory, and not a hub id)")
     try:
-        model, tokenizer, config = load(str(path) if path.exists() else spec, return_config=True)
+        model, tokenizer, config = load(str(path) if path.exists() else spec, return_config=True,
+                                        lazy=tensor_group is not None)  # fmt: skip
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"cannot load model {spec}: {reason}") from None
+    if tensor_group is not None:
+        shard_model(model, config, tensor_group, spec)
     return model, tokenizer, config
+
+
+def shard_model(model, config: dict, group, spec: str) -> None:
+    """mlx-lm's tensor-parallel split of `model` over `group`, in place."""
+    n = group.size()
+    if not hasattr(model, "shard"):
+        raise ModelLoadError(
+            f"tensor parallel: mlx-lm cannot shard {config.get('model_type')!r} models ({spec}); "
+            "it shards llama, qwen2, qwen3, qwen3_moe, deepseek and some other families"
+        )
+    try:
+        model.shard(group)
+    except ValueError as e:  # a size that does not divide by the ranks (heads, experts' widths)
+        raise ModelLoadError(f"tensor parallel: cannot shard {spec} over {n} ranks: {e}") from None
+    mx.eval(model.parameters())
 
 
 def model_digest(spec: str, config: dict, fused: bool) -> str:
@@ -196,6 +217,10 @@ class Engine:
         # Read once a run: on CUDA `mx.device_info()` asks the driver (free
         # memory among its fields), which the per-job check need not repeat.
         self.memory_bytes = memory_limit()
+        # Turns this rank's figure for a decision into the one every rank of a
+        # tensor-parallel group takes (their least): the group's ranks must run
+        # the same passes. One rank alone: the figure itself.
+        self.agree = lambda value: value
         static = config.decode.pld_static_shapes
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
         pad = config.pad_prompts
@@ -204,9 +229,9 @@ class Engine:
         self._token_text = None  # `logprobs.TokenText`, at the first job with logprobs
 
     @classmethod
-    def load(cls, config: EngineConfig) -> "Engine":
+    def load(cls, config: EngineConfig, tensor_group=None) -> "Engine":
         timer = Timer()
-        model, tokenizer, model_config = load_model(config.model)
+        model, tokenizer, model_config = load_model(config.model, tensor_group)
         engine = cls(model, tokenizer, config, model_config)
         engine.make_fast()
         engine.load_s = timer.elapsed_s
@@ -443,7 +468,7 @@ class Engine:
             job = replace(job, max_tokens=self.context_length - len(tokens))
         per_token, per_row = self.kv_bytes_per_token(self.plan(job).kv)
         need = per_token * (len(tokens) + job.max_tokens) + per_row + 8 * job.max_tokens  # KV + sampling keys
-        free = self.memory_bytes - mx.get_active_memory()
+        free = self.agree(self.memory_bytes - mx.get_active_memory())
         if need > free:
             raise JobRunError(
                 "too_large",

@@ -49,10 +49,16 @@ KEEP_FALLBACK_ENV = "BATCHGEN_KEEP_FALLBACK"
 
 # Output axis of each supported projection type: the axis the parts are
 # concatenated along. Exact types only: a subclass (e.g. a LoRA wrapper) may
-# compute something the concatenation does not preserve.
+# compute something the concatenation does not preserve. A tensor-parallel
+# rank's q/k/v and gate/up (mlx-lm's `model.shard`: `AllToSharded`, each rank
+# its slice of the heads and of the MLP's width, no collective in the forward
+# pass) fuse like any linear layer: the concatenation of a rank's slices is
+# its slice of the fused projection, one matmul per shard.
 _OUTPUT_AXIS = {
     nn.Linear: 0,
     nn.QuantizedLinear: 0,
+    nn.AllToShardedLinear: 0,
+    nn.QuantizedAllToShardedLinear: 0,
     SwitchLinear: 1,
     QuantizedSwitchLinear: 1,
 }
