@@ -37,13 +37,14 @@ RANKS = {
     "batchgen.progress": 30,
     "batchgen.shares": 30,
     "batchgen.ranks": 30,
+    "batchgen.rank_parts": 30,
     "batchgen.cli": 40,  # face
     "batchgen.launch": 40,
     "batchgen.__main__": 40,
     "batchgen": 40,
 }
 NO_MLX_ALL = ("batchgen.config", "batchgen.jobs", "batchgen.job_fields", "batchgen.output", "batchgen.stats",
-          "batchgen.cli", "batchgen.progress", "batchgen.shares", "batchgen.ranks")  # fmt: skip
+          "batchgen.cli", "batchgen.progress", "batchgen.shares", "batchgen.ranks", "batchgen.rank_parts")  # fmt: skip
 NO_MLX = [m for m in NO_MLX_ALL if (PACKAGE.parent / (m.replace(".", "/") + ".py")).exists()]
 
 
