@@ -28,7 +28,9 @@
     acc[i] = 0.0f;
     acr[i] = 0.0f;
   }
-  #define SEL(j, which) ((j) >= base ? ((j) < p ? r##which + (row * W + (j) - base) * D : which##NEW)      : (j) - start < S ? s##which + (row * S + (j) - start) * D      : (j) > p - WIN ? t##which + (row * E + (j) - base + E) * D : nullptr)
+  #define SEL(j, which) ((j) >= base ? ((j) < p ? r##which + (row * W + (j) - base) * D : which##NEW) \
+      : (j) - start < S ? s##which + (row * S + (j) - start) * D \
+      : (j) > p - WIN ? t##which + (row * E + (j) - base + E) * D : nullptr)
   #define kNEW KN
   #define vNEW VN
   float m = -INFINITY, l = 0.0f;
