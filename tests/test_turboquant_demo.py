@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow  # the demo model's whole files: minutes on two co
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from batchgen.cache import turboquant as tq
+from batchgen.cache.factory import make_turboquant_cache
+from batchgen.transforms.attention import unroute_attention
 from batchgen.bench import answer_nll, greedy_ids, prefix_agreement
 from batchgen.config import DEMO_MODEL_DIR
 
@@ -25,7 +26,7 @@ JOBS = Path(__file__).resolve().parents[1] / "jobs"
 @pytest.fixture(scope="module", autouse=True)
 def _restore_stock_attention():
     yield
-    tq.uninstall_attention()
+    unroute_attention()
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def caches(model) -> dict:
     return {
         "full": lambda: [KVCache() for _ in range(layers)],
         "mlx4": lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in range(layers)],
-        "tq4": lambda: tq.make_turboquant_cache(model, 4),
+        "tq4": lambda: make_turboquant_cache(model, 4),
     }
 
 
