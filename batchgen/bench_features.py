@@ -52,7 +52,14 @@ def _timed_run(engine: Engine, jobs: list[Job], rows) -> dict:
             "prefill_tokens": sum(r.usage.prompt_tokens - r.usage.cached_tokens for r in results),
             "stopped": finishes.count("stop"), "rows": engine.batch_report.get("rows"),
             "steps": engine.batch_report.get("steps"), "prompt_s": engine.batch_report.get("prompt_s"),
-            "results": results}  # fmt: skip
+            # a step's time outside prompt passes: JSON rows stop early, so their tok/s also pays
+            # the fixed costs over fewer tokens; this compares the steps themselves
+            "step_ms": _step_ms(wall, engine.batch_report), "results": results}  # fmt: skip
+
+
+def _step_ms(wall: float, report: dict) -> float | None:
+    steps = report.get("steps")
+    return (wall - report.get("prompt_s", 0.0)) / steps * 1e3 if steps else None
 
 
 def _median_run(engine: Engine, variants: dict, rows, repeats: int) -> dict:
@@ -105,8 +112,8 @@ def run_features(cfg: BenchConfig, batch_sizes: list, n_jobs: int = 256, n_promp
     result = {**result_head(cfg, engine), "schema": FEATURE_SCHEMA, "structured_and_logprobs": [], "samples": None}
     for size in batch_sizes:
         rows = resolved_rows(engine, size, len(jobs))
-        _timed_run(engine, jobs[: min(rows, len(jobs))], rows)  # warm-up: the step's recording at this size
-        _timed_run(engine, variants["json_schema"][: min(rows, len(jobs))], rows)
+        for variant in variants.values():  # warm-up: each variant's recordings and kernels at this size
+            _timed_run(engine, variant[: min(rows, len(jobs))], rows)
         runs = _median_run(engine, variants, rows, repeats)
         free = runs["free"]["tokens_per_s"]
         row = {"requested": size, "rows": rows, "jobs": len(jobs),

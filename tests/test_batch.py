@@ -81,6 +81,19 @@ def test_seeded_samples_are_the_same_in_a_batch(model_dir):
     assert bat == seq
 
 
+def test_rows_with_different_sampling_settings_sample_as_alone(model_dir):
+    """Rows drawn together (each its temperature, top-p/k, min-p, seed), beside greedy rows."""
+    path = model_dir("qwen2")
+    settings = [SamplingConfig(temperature=0.7, top_p=0.9, seed=1), SamplingConfig(),
+                SamplingConfig(temperature=1.3, top_k=5, seed=2), SamplingConfig(temperature=0.5, min_p=0.05, seed=3),
+                SamplingConfig(temperature=1.0, seed=4), SamplingConfig(),
+                SamplingConfig(temperature=0.9, top_p=0.5, min_p=0.1, top_k=20, seed=5)]  # fmt: skip
+    batch = [make_job(t, max_tokens=n, job_id=f"m{i}", sampling=s)
+             for i, (t, n, s) in enumerate(zip(TEXTS, LENGTHS, settings))]  # fmt: skip
+    seq = {r.id: r.text for r in engine(path, 1).run_all(batch)}
+    assert {r.id: r.text for r in engine(path, 4).run_all(batch)} == seq
+
+
 def test_seeded_samples_of_repeated_prompts_are_the_same_in_a_batch(model_dir):
     """Repeats enter fed by the step (first token from keys[0] there, not from a
     prompt pass) or as duplicates of one round: the same samples as alone."""

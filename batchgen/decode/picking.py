@@ -21,7 +21,7 @@ from .grammar import apply_masks
 from .logprobs import Entries, token_logprobs
 from .passes import generation_stream
 from .processors import LogitsState, processed
-from .sampling import pick
+from .sampling import key_rows, make_filters, pick, sample_rows
 
 
 def sample_jobs(job: Job) -> list[Job]:
@@ -176,10 +176,21 @@ class RowPicking:
         if argmax_rows:
             on = mx.array([i in argmax_rows for i in range(B)])
             tokens = mx.where(on, mx.argmax(x, axis=-1).astype(tokens.dtype), tokens)
-        for i, r in needs:
-            if not r.job.sampling.greedy:
-                key = r.keys[min(t[i], r.keys.shape[0] - 1)]
-                tokens = mx.where(mx.arange(B) == i, pick(x[i : i + 1], r.job.sampling, key).astype(tokens.dtype), tokens)
+        sampled = [(i, r) for i, r in needs if not r.job.sampling.greedy]
+        if sampled:  # one draw over every sampling row: their settings and keys as arrays
+            idx = [i for i, _ in sampled]
+            keys = key_rows([r.seed for _, r in sampled], [min(t[i], r.keys.shape[0] - 1) for i, r in sampled])
+            filters = make_filters([r.job.sampling for _, r in sampled], x.shape[-1])
+            drawn = sample_rows(x[mx.array(idx)], filters, keys).astype(tokens.dtype)
+            if len(idx) == B:
+                tokens = drawn
+            else:
+                slot = [0] * B  # row i's place among the drawn rows
+                for j, i in enumerate(idx):
+                    slot[i] = j
+                chosen = set(idx)
+                on = mx.array([k in chosen for k in range(B)])
+                tokens = mx.where(on, drawn[mx.array(slot)], tokens)
         self.state.push(tokens, valid)
         k = max((r.job.top_logprobs for _, r in needs if r.job.logprobs), default=-1)
         return tokens, (token_logprobs(logits, tokens, k) if k >= 0 else None)

@@ -172,6 +172,7 @@ class Row:
     done: bool = False
     picker: SamplePicker | None = None  # where its tokens need more than the raw logits (`wants_picker`)
     needs_logits: bool = False  # `Job.needs_logits`, read every step
+    seed: int | None = None  # a sampling job's seed: token t draws with key (seed, t)
 
     def add(self, token: int, logprobs: tuple | None = None, consume: bool = True) -> bool:
         """Hand the job a generated token (and, where it asked, its logprob, its
@@ -281,7 +282,8 @@ class BatchScheduler:
             log.info(f"batched decoding: jobs run with plain decoding over the batch's {self.kv.kind} KV cache "
                      "(PLD runs at batch size 1)")  # fmt: skip
             self.logged_overrides = True
-        keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), job.max_tokens + 2)
+        seed = None if job.sampling.greedy else job_seed(job.sampling)
+        keys = None if seed is None else make_keys(seed, job.max_tokens + 2)
         matcher = e.matcher_for(job)  # a schema that cannot compile fails here, before the job enters
         picker = None
         if wants_picker(job):
@@ -289,7 +291,8 @@ class BatchScheduler:
             self.picking.grammars = e.grammars
         text = TextAssembler(e.tokenizer, job.stop, job.max_tokens)
         stats = JobStats(draft="none", kv_cache=self.kv.kind, max_tokens_capped_from=capped_from)
-        return Row(job, tokens, 0, text, keys, stats, timer, queued=1, picker=picker, needs_logits=job.needs_logits)
+        return Row(job, tokens, 0, text, keys, stats, timer, queued=1, picker=picker, needs_logits=job.needs_logits,
+                   seed=seed)
 
     def _start(self, rows: list[Row]) -> tuple[list[Row], list[Result]]:
         """Prefill entering rows (together where they share a cached prefix) and
