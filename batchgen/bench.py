@@ -160,7 +160,9 @@ def load_pair(cfg: BenchConfig, plain: bool = True):
     """(plain model, batchgen engine): two copies of the same weights (`plain`
     False: batchgen's alone, the plain model None)."""
     from .config import DEMO_MODEL_DIR
+    from .kernels.registry import keep_builds
 
+    keep_builds()  # before the weights are made: that builds kernels too
     if cfg.shape:
         from mlx_lm.utils import load_tokenizer
 

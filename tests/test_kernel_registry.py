@@ -197,3 +197,29 @@ def test_kernel_matches_reference(name, i):
                 assert same_codes(g, w, bits, args[0].shape[-1]), (name, k)
             continue
         assert close(g, w, tol), (name, k, mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max().item())
+
+
+def test_kernels_build_under_a_name_that_follows_their_source(monkeypatch):
+    """MLX reuses a build from disk by name: a changed source must change the name."""
+    seen = []
+    monkeypatch.setattr(registry.mx.fast, "cuda_kernel", lambda **kw: seen.append(kw["name"]))
+    registry._cuda_kernel.cache_clear()
+    op = next(iter(registry.OPS.values()))
+    op.kernel()
+    header, body = registry.load_source(op.source)
+    assert seen == [registry.build_name(op.name, header, body)] and seen[0].startswith(op.name + "_")
+    assert registry.build_name(op.name, header, body + " ") != seen[0]
+    registry._cuda_kernel.cache_clear()
+
+
+def test_kernel_builds_are_kept_per_mlx_version_and_gpu_kind(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    monkeypatch.setattr(registry, "available", lambda: False)
+    assert registry.keep_builds(tmp_path) is None and "MLX_PTX_CACHE_DIR" not in registry.os.environ
+    monkeypatch.setattr(registry, "available", lambda: True)
+    monkeypatch.setattr(registry.mx, "device_info", lambda: {"architecture": "sm_90", "device_name": "NVIDIA H200"})
+    path = registry.keep_builds(tmp_path)
+    assert path == tmp_path / registry.mx.__version__ / "sm_90" and path.is_dir()
+    assert registry.os.environ["MLX_PTX_CACHE_DIR"] == str(path)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice stands
+    assert registry.keep_builds(tmp_path / "other") == tmp_path / "mine"

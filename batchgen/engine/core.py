@@ -23,6 +23,7 @@ from ..cache.factory import CACHE_CLASSES, make_kv_cache
 from ..cache.fp16 import DEFAULT_MAX_QUERIES, as_fp16
 from ..decode import pld
 from ..decode.drafts import DraftPolicy
+from ..kernels.registry import keep_builds
 from ..transforms.attention import route_attention
 from ..config import DEFAULT_MAX_TOKENS, EngineConfig, JobPlan, KVConfig
 from ..jobs import BadJob, Job
@@ -231,6 +232,7 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig, tensor_group=None) -> "Engine":
         timer = Timer()
+        keep_builds()  # before anything builds a kernel
         model, tokenizer, model_config = load_model(config.model, tensor_group)
         engine = cls(model, tokenizer, config, model_config)
         engine.make_fast()

@@ -18,6 +18,8 @@ in for the kernel on a CPU).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -113,11 +115,50 @@ class Op:
         return self.kernel_form(*args, **kw) if self.takes(*args, **kw) else self.reference(*args, **kw)
 
 
+def build_name(name: str, header: str, body: str) -> str:
+    """The name MLX builds a kernel under: the op's name and a digest of its source.
+
+    MLX keeps built kernels on disk (`MLX_PTX_CACHE_DIR`) by name and template
+    arguments alone, and reuses them in every later process: a kernel whose
+    source changed under the same name would load the old build.
+
+    >>> build_name("tq_step", "h", "b") == build_name("tq_step", "h", "b") != build_name("tq_step", "h", "b2")
+    True
+    """
+    return f"{name}_{hashlib.sha256((header + BODY_MARK + body).encode()).hexdigest()[:12]}"
+
+
 @lru_cache(maxsize=None)
 def _cuda_kernel(name: str, source: str, inputs: tuple, outputs: tuple, contiguous: bool):
     header, body = load_source(source)
-    return mx.fast.cuda_kernel(name=name, input_names=list(inputs), output_names=list(outputs), source=body,
-                               header=header, ensure_row_contiguous=contiguous)  # fmt: skip
+    return mx.fast.cuda_kernel(name=build_name(name, header, body), input_names=list(inputs),
+                               output_names=list(outputs), source=body, header=header,
+                               ensure_row_contiguous=contiguous)  # fmt: skip
+
+
+def keep_builds(root: Path | None = None) -> Path | None:
+    """Keep MLX's CUDA kernel builds (its own and these ops') across processes
+    and reboots, one directory per MLX version and GPU kind: a fresh process
+    then loads what an earlier one built instead of compiling it again. MLX's
+    default is a directory under the system's temporary folder named by MLX's
+    version alone, which a reboot may empty and a second GPU kind would share
+    (builds are named by kernel and shape, not by device). A directory the
+    user set (`MLX_PTX_CACHE_DIR`) is kept as is. Call before the first kernel
+    builds; returns the directory (None off CUDA)."""
+    if not available():
+        return None
+    if os.environ.get("MLX_PTX_CACHE_DIR"):
+        return Path(os.environ["MLX_PTX_CACHE_DIR"])
+    info = mx.device_info()
+    kind = str(info.get("architecture") or info.get("device_name") or "gpu")
+    root = root or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchgen" / "mlx-kernels"
+    path = root / mx.__version__ / re.sub(r"[^A-Za-z0-9_.-]+", "-", kind)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # not writable: MLX's own default stands
+        return None
+    os.environ["MLX_PTX_CACHE_DIR"] = str(path)
+    return path
 
 
 OPS: dict[str, Op] = {}
