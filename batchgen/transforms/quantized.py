@@ -15,7 +15,7 @@ picks the op by the row count of its input:
 The row count is part of the traced shape, so a compiled step or pass records
 one branch and stays compiled. `rows` None (or 0) leaves the model untouched.
 Rows are the flattened leading axes of the input; for experts, the rows each
-expert sees on average (indices / experts), the size of each product.
+expert sees on average (indices / experts, rounded up), the size of each product.
 
 The layers swapped: nn.QuantizedLinear (fused ones too: fusion keeps the
 class), mlx-lm's QuantizedSwitchLinear, and nn.QuantizedEmbedding's
@@ -123,7 +123,7 @@ class RoutedQuantizedSwitchLinear(QuantizedSwitchLinear):
     dequantize_rows: int | None = None
 
     def __call__(self, x, indices, sorted_indices=False):
-        if not dense(self.dequantize_rows, indices.size // self.num_experts):
+        if not dense(self.dequantize_rows, -(-indices.size // self.num_experts)):
             return super().__call__(x, indices, sorted_indices=sorted_indices)
         x = mx.gather_mm(x, dequantized(self, x.dtype).swapaxes(-1, -2), rhs_indices=indices,
                          sorted_indices=sorted_indices)  # fmt: skip
