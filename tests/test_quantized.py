@@ -12,14 +12,19 @@ import mlx.nn as nn
 import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
+from test_batch import LENGTHS, TEXTS
 
-from batchgen.config import DecodeConfig, EngineConfig, KVConfig, PromptCacheConfig, SamplingConfig
+from batchgen.config import (
+    DecodeConfig,
+    EngineConfig,
+    KVConfig,
+    PromptCacheConfig,
+    SamplingConfig,
+)
 from batchgen.engine.core import Engine
 from batchgen.jobs import NATIVE, Job
 from batchgen.transforms import quantized as Q
 from batchgen.transforms.fusion import fuse_model
-
-from test_batch import LENGTHS, TEXTS
 
 SYSTEM = "You are a helpful assistant. Answer briefly and exactly."
 slow = pytest.mark.slow
