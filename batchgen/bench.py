@@ -496,6 +496,7 @@ def result_head(cfg: BenchConfig, engine: Engine) -> dict:
         "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
         "dtype": weights_dtype(engine.model), "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic",
         "quantization": (engine.model_config or {}).get("quantization"), "fuse": cfg.engine.fuse,
+        "step_forward": cfg.engine.batch_step_forward,
         "quantized": engine.quantized_report.as_dict() if engine.quantized_report else None,
     }  # fmt: skip
 

@@ -325,6 +325,8 @@ def report(output, summary_path, report_path, by):
 @click.option("--plain-kv-bits", type=click.Choice(["4", "8"]), default=None, help="mlx-lm's own quantized KV cache on the plain side.")
 @click.option("--no-fuse", is_flag=True)
 @_DEQUANTIZE_ROWS
+@click.option("--no-step-forward", is_flag=True,
+              help="Batch steps through the model's own layers, not step/forward.py's pass (which takes quantized models too).")
 @click.option("--no-prompt-cache", is_flag=True)
 @click.option("--no-prewarm", is_flag=True)
 @click.option("--out", "out_json", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench/results/bench.json"), show_default=True)
@@ -341,10 +343,11 @@ def report(output, summary_path, report_path, by):
                    "default 32,auto, over --jobs-total jobs), and n samples against separate jobs.")
 @click.option("--samples", "samples_spec", default="64x8x1536", show_default=True,
               help="With --features: PROMPTSxNxTOKENS, random prompts of TOKENS tokens at n=N against PROMPTS*N jobs.")
-def bench(jobs, model, shape, dtype, quantize_bits, quantize_group, quantize_mode, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
-          draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy, kv_cache, kv_bits,
-          plain_kv_bits, no_fuse, dequantize_rows, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total,
-          throughput_drafts, throughput_repeats, features, samples_spec):  # fmt: skip
+def bench(jobs, model, shape, dtype, quantize_bits, quantize_group, quantize_mode, max_jobs, warmup, synthetic_tokens,
+          synthetic_jobs, max_tokens, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy,
+          kv_cache, kv_bits, plain_kv_bits, no_fuse, dequantize_rows, no_step_forward, no_prompt_cache, no_prewarm,
+          out_json, out_png, no_png, batch_sizes, jobs_total, throughput_drafts, throughput_repeats, features,
+          samples_spec):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
     _setup_logging(quiet=True)
     from .bench import BenchConfig, parse_policy, run_bench, save_results
@@ -359,6 +362,7 @@ def bench(jobs, model, shape, dtype, quantize_bits, quantize_group, quantize_mod
         model=model or shape or str(DEMO_MODEL_DIR),
         fuse=not no_fuse,
         dequantize_rows=dequantize_rows,
+        batch_step_forward=not no_step_forward,
         decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_adaptive=not pld_always),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
         prompt_cache=PromptCacheConfig(enabled=not no_prompt_cache, prewarm=not no_prewarm),
