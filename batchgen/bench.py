@@ -36,6 +36,8 @@ class BenchConfig:
     shape: str | None = None
     dtype: str | None = None  # a shape's dtype (default bfloat16); for a model, cast both copies
     quantize_bits: int | None = None
+    quantize_group: int = 64  # affine's group size; the fp modes have their own
+    quantize_mode: str = "affine"  # or mxfp4, nvfp4 (4 bits), mxfp8 (8 bits)
     max_jobs: int | None = None
     warmup_jobs: int = 1
     synthetic_prompt_tokens: int | None = None
@@ -112,8 +114,15 @@ class Side:
 # Models
 
 
-def random_model(shape: str, dtype: str, quantize_bits: int | None, seed: int):
-    """A model of a real shape with random weights (the same for a given seed)."""
+# MLX's quantization modes: (bits, group size); affine's group size is a choice.
+QUANTIZE_MODES = {"affine": (None, None), "mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+
+
+def random_model(shape: str, dtype: str, quantize_bits: int | None, seed: int, *, group_size: int = 64,
+                 mode: str = "affine"):  # fmt: skip
+    """A model of a real shape with random weights (the same for a given seed),
+    quantized where `quantize_bits` is given: affine at `group_size`, or an fp
+    `mode` with its own bits and group size (its bits must be `quantize_bits`)."""
     import importlib
 
     import mlx.nn as nn
@@ -124,8 +133,14 @@ def random_model(shape: str, dtype: str, quantize_bits: int | None, seed: int):
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
     if quantize_bits:
-        nn.quantize(model, group_size=64, bits=quantize_bits)
-        config["quantization"] = {"group_size": 64, "bits": quantize_bits}
+        if mode not in QUANTIZE_MODES:
+            raise ValueError(f"quantize mode: one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
+        bits, group = QUANTIZE_MODES[mode]
+        if bits is not None and bits != quantize_bits:
+            raise ValueError(f"quantize mode {mode} is {bits}-bit, not {quantize_bits}-bit")
+        group = group or group_size
+        nn.quantize(model, group_size=group, bits=quantize_bits, mode=mode)
+        config["quantization"] = {"group_size": group, "bits": quantize_bits, "mode": mode}
     mx.eval(model.parameters())
     return model, config
 
@@ -167,8 +182,9 @@ def load_pair(cfg: BenchConfig, plain: bool = True):
         from mlx_lm.utils import load_tokenizer
 
         dtype = cfg.dtype or "bfloat16"
-        ours, config = random_model(cfg.shape, dtype, cfg.quantize_bits, cfg.seed)
-        plain = random_model(cfg.shape, dtype, cfg.quantize_bits, cfg.seed)[0] if plain else None
+        quantized = {"group_size": cfg.quantize_group, "mode": cfg.quantize_mode}
+        ours, config = random_model(cfg.shape, dtype, cfg.quantize_bits, cfg.seed, **quantized)
+        plain = random_model(cfg.shape, dtype, cfg.quantize_bits, cfg.seed, **quantized)[0] if plain else None
         tokenizer = load_tokenizer(Path(cfg.tokenizer_path or DEMO_MODEL_DIR))
     else:
         ours, tokenizer, config = load_model(cfg.engine.model)
@@ -307,12 +323,14 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         "dtype": weights_dtype(engine.model),
         "plain_dtype": weights_dtype(plain_model),
         "quantize_bits": cfg.quantize_bits if cfg.shape else (config.get("quantization") or {}).get("bits"),
+        "quantization": config.get("quantization"),
         "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else f"synthetic {cfg.synthetic_prompt_tokens}-token prompts",
         "batchgen": {"fuse": e.fuse, "draft": e.decode.draft, "kv_cache": e.kv.kind, "kv_bits": e.kv.bits,
                      "prompt_cache": e.prompt_cache.enabled, "prewarm": e.prompt_cache.prewarm,
                      "pld_ngram_size": e.decode.pld_ngram_size, "pld_max_lookup": e.decode.pld_max_lookup,
                      "static_verify_shapes": engine.static_verify_shapes, "pld_policy": dict(cfg.pld_policy),
-                     "fusion": engine.fusion_report.as_dict() if engine.fusion_report else None},  # fmt: skip
+                     "fusion": engine.fusion_report.as_dict() if engine.fusion_report else None,
+                     "quantized": engine.quantized_report.as_dict() if engine.quantized_report else None},  # fmt: skip
         "plain_kv_bits": cfg.plain_kv_bits,
         "sides": {"mlx-lm": ps, "batchgen": os_},
         "ratio_batchgen_over_plain": ratio,
@@ -479,6 +497,9 @@ def result_head(cfg: BenchConfig, engine: Engine) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(), "versions": versions(), "model": cfg.shape or cfg.engine.model,
         "dtype": weights_dtype(engine.model), "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else "synthetic",
+        "quantization": (engine.model_config or {}).get("quantization"), "fuse": cfg.engine.fuse,
+        "step_forward": cfg.engine.batch_step_forward,
+        "quantized": engine.quantized_report.as_dict() if engine.quantized_report else None,
     }  # fmt: skip
 
 

@@ -100,6 +100,20 @@ def _parse_batch_size(text: str | None):
     raise click.BadParameter(f"--batch-size must be a positive integer or 'auto', got {text!r}")
 
 
+def _parse_dequantize_rows(text: str):
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    if text.isdigit():
+        return int(text) or None
+    raise click.BadParameter(f"--dequantize-rows must be a row count, 'auto' or 'off', got {text!r}")
+
+
+_DEQUANTIZE_ROWS = click.option(
+    "--dequantize-rows", default="auto", show_default=True, callback=lambda _c, _p, v: _parse_dequantize_rows(v),
+    help="Quantized layers: a dense matmul over the dequantized weight from N rows of input on, quantized_matmul "
+         "below; auto: on MLX's CUDA backend only; off (or 0): quantized_matmul always.")  # fmt: skip
+
+
 class _OneLineErrors(click.Group):
     """click's usage errors as one line (`batchgen: error: ...`, exit 2)
     instead of its usage block, so logs and cron mail stay readable."""
@@ -138,6 +152,7 @@ def main():
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True, help="TurboQuant bits per coordinate.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast the model's floating weights (default: as stored).")
 @click.option("--no-fuse", is_flag=True, help="Keep separate q/k/v and gate/up projections.")
+@_DEQUANTIZE_ROWS
 @click.option("--no-prewarm", is_flag=True, help="Do not prefill the shared system prompt before the first job.")
 @click.option("--no-prompt-cache", is_flag=True, help="No prompt-cache pool (every prompt prefilled in full).")
 @click.option("--prompt-cache-bytes", default=None, help="Pool byte budget, e.g. 4GB (default: a tenth of memory).")
@@ -154,7 +169,7 @@ def main():
               help="Without a terminal: a progress line on stderr this often (30s, 2m, 10; 0 or off: none).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
 def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
-        kv_cache, kv_bits, dtype, no_fuse, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
+        kv_cache, kv_bits, dtype, no_fuse, dequantize_rows, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
         prewarm_file, batch_size, kv_budget, summary_path, tensor_parallel, retry_failed, no_fsync, log_every,
         quiet):  # fmt: skip
     """Generate a result line for every job in JOBS (a JSONL file, or - for stdin).
@@ -168,6 +183,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         model=model or str(DEMO_MODEL_DIR),
         fuse=not no_fuse,
         dtype=dtype,
+        dequantize_rows=dequantize_rows,
         decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
         prompt_cache=PromptCacheConfig(
@@ -289,6 +305,10 @@ def report(output, summary_path, report_path, by):
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
               help="Both sides' dtype (default: bfloat16 for --shape, as stored for a model).")
 @click.option("--quantize", "quantize_bits", type=click.Choice(["4", "8"]), default=None, help="Quantize a --shape model.")
+@click.option("--quantize-group", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+              help="With --quantize: the affine group size (mxfp4/mxfp8: 32, nvfp4: 16, whatever this says).")
+@click.option("--quantize-mode", type=click.Choice(["affine", "mxfp4", "nvfp4", "mxfp8"]), default="affine", show_default=True,
+              help="With --quantize: MLX's quantization mode (mxfp4/nvfp4 are 4-bit, mxfp8 8-bit, whatever --quantize says).")
 @click.option("--max-jobs", type=click.IntRange(min=1), default=None)
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Warm-up jobs per side, not measured.")
 @click.option("--synthetic", "synthetic_tokens", type=click.IntRange(min=1), default=None, help="Random prompts of N tokens instead of JOBS.")
@@ -304,6 +324,9 @@ def report(output, summary_path, report_path, by):
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True)
 @click.option("--plain-kv-bits", type=click.Choice(["4", "8"]), default=None, help="mlx-lm's own quantized KV cache on the plain side.")
 @click.option("--no-fuse", is_flag=True)
+@_DEQUANTIZE_ROWS
+@click.option("--no-step-forward", is_flag=True,
+              help="Batch steps through the model's own layers, not step/forward.py's pass (which takes quantized models too).")
 @click.option("--no-prompt-cache", is_flag=True)
 @click.option("--no-prewarm", is_flag=True)
 @click.option("--out", "out_json", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench/results/bench.json"), show_default=True)
@@ -320,10 +343,11 @@ def report(output, summary_path, report_path, by):
                    "default 32,auto, over --jobs-total jobs), and n samples against separate jobs.")
 @click.option("--samples", "samples_spec", default="64x8x1536", show_default=True,
               help="With --features: PROMPTSxNxTOKENS, random prompts of TOKENS tokens at n=N against PROMPTS*N jobs.")
-def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_tokens, synthetic_jobs, max_tokens,
-          draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy, kv_cache, kv_bits,
-          plain_kv_bits, no_fuse, no_prompt_cache, no_prewarm, out_json, out_png, no_png, batch_sizes, jobs_total,
-          throughput_drafts, throughput_repeats, features, samples_spec):  # fmt: skip
+def bench(jobs, model, shape, dtype, quantize_bits, quantize_group, quantize_mode, max_jobs, warmup, synthetic_tokens,
+          synthetic_jobs, max_tokens, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy,
+          kv_cache, kv_bits, plain_kv_bits, no_fuse, dequantize_rows, no_step_forward, no_prompt_cache, no_prewarm,
+          out_json, out_png, no_png, batch_sizes, jobs_total, throughput_drafts, throughput_repeats, features,
+          samples_spec):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
     _setup_logging(quiet=True)
     from .bench import BenchConfig, parse_policy, run_bench, save_results
@@ -337,13 +361,16 @@ def bench(jobs, model, shape, dtype, quantize_bits, max_jobs, warmup, synthetic_
     engine = EngineConfig(
         model=model or shape or str(DEMO_MODEL_DIR),
         fuse=not no_fuse,
+        dequantize_rows=dequantize_rows,
+        batch_step_forward=not no_step_forward,
         decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_adaptive=not pld_always),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
         prompt_cache=PromptCacheConfig(enabled=not no_prompt_cache, prewarm=not no_prewarm),
     )
     cfg = BenchConfig(
         engine=engine, jobs_path=jobs, shape=shape, dtype=dtype,
-        quantize_bits=int(quantize_bits) if quantize_bits else None, max_jobs=max_jobs, warmup_jobs=warmup,
+        quantize_bits=int(quantize_bits) if quantize_bits else None, quantize_group=int(quantize_group),
+        quantize_mode=quantize_mode, max_jobs=max_jobs, warmup_jobs=warmup,
         synthetic_prompt_tokens=synthetic_tokens, synthetic_jobs=synthetic_jobs, max_tokens=max_tokens,
         plain_kv_bits=int(plain_kv_bits) if plain_kv_bits else None,
         tokenizer_path=Path(model) if (shape and model) else None, pld_policy=policy,

@@ -109,6 +109,10 @@ class EngineConfig:
     # The compiled step through `step_forward` (few primitives) where it covers the
     # model; False: through the model's own layers.
     batch_step_forward: bool = True
+    # Quantized layers dequantize their weight for a dense matmul from this many
+    # rows of input on (transforms/quantized.py): an int, "auto" (on MLX's CUDA
+    # backend only, where quantized_matmul loses at many rows), or None/0: never.
+    dequantize_rows: int | str | None = "auto"
 
 
 @dataclass(frozen=True)

@@ -370,9 +370,14 @@ def start_summary(cfg: RunConfig, engine) -> RunSummary:
     )
     report = engine.fusion_report
     s.fusion = report.as_dict() if report is not None else {"qkv": 0, "gate_up": 0, "experts": 0, "skipped": ["fusion off (--no-fuse)"], "bytes_freed": 0}
+    q = engine.quantized_report
+    s.quantized = q.as_dict() if q is not None else {}
     log.info(f"loaded {cfg.engine.model} in {engine.load_s:.2f}s ({engine.model_memory_gb:.3f} GB) on {s.device}")
     if report is not None:
         log.info(f"fusion: qkv={report.qkv} gate_up={report.gate_up} experts={report.experts} bytes_freed={report.bytes_freed}")
+    if q is not None and q.modes:
+        log.info(f"quantized ({', '.join(q.modes)}): dequantize_rows={q.dequantize_rows} linear={q.linear} "
+                 f"embedding={q.embedding} experts={q.experts}")
     if d.draft == "pld":
         log.info(f"prompt-lookup decoding ENABLED pld_max_lookup={d.pld_max_lookup} pld_ngram_size={d.pld_ngram_size}")
     if cfg.engine.kv.kind == "turboquant":

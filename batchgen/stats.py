@@ -113,6 +113,7 @@ class RunSummary:
     device: str = ""
     model: str = ""
     fusion: dict = field(default_factory=dict)
+    quantized: dict = field(default_factory=dict)  # `QuantizedReport.as_dict`: the dequantize route
     prewarm: dict = field(default_factory=lambda: {"tokens": 0, "seconds": 0.0})
     draft: str = "none"
     kv_cache: str = "fp16"
@@ -189,6 +190,7 @@ class RunSummary:
             "device": self.device,
             "model": self.model,
             "fusion": self.fusion,
+            "quantized": self.quantized,
             "prewarm": self.prewarm,
             "draft": self.draft,
             "pld_ngram_size": self.pld_ngram_size,

@@ -14,15 +14,17 @@ from batchgen.cache.fp16 import Fp16BatchCache
 from batchgen.step.compiled import CompiledSteps
 from batchgen.transforms.attention import route_attention
 from batchgen.transforms.fusion import fuse_model
+from batchgen.transforms.quantized import route_quantized
 from batchgen.step.forward import _unsupported, make_step_forward
 
 import tiny
 
 
-def _model(model_dir, arch, fuse=True, **kw):
+def _model(model_dir, arch, fuse=True, dequantize_rows=None, **kw):
     model, _ = load(str(model_dir(arch, **kw)))
     if fuse:
         fuse_model(model)
+    route_quantized(model, dequantize_rows)
     route_attention(model)
     return model
 
@@ -46,16 +48,27 @@ def _steps(model, cache, own_forward: bool, steps: int = 40) -> list:
     return out
 
 
-@pytest.mark.parametrize("arch,kw", [
-    ("qwen2", {}),  # q/k/v biases, untied head
-    ("llama", {}),
-    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
-    ("qwen3", {}),  # per-head q/k norms before RoPE
+_TIED = {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("arch,kw,rows", [
+    ("qwen2", {}, None),  # q/k/v biases, untied head
+    ("llama", {}, None),
+    ("llama", _TIED, None),
+    ("qwen3", {}, None),  # per-head q/k norms before RoPE
+    # quantized: the tied head through the quantized embedding; rows 1: every product
+    # dense over the dequantized weight (the route a GPU takes for many rows)
+    ("qwen2", {"quantize_bits": 4}, None),
+    ("qwen2", {"quantize_bits": 8}, 1),
+    ("llama", {**_TIED, "quantize_bits": 4}, None),
+    ("llama", {**_TIED, "quantize_bits": 4}, 1),
+    ("qwen3", {"quantize_bits": 4}, 1),
+    ("qwen3", {"quantize_bits": 8}, None),
 ])  # fmt: skip
-def test_logits_equal_the_models_own_step(model_dir, arch, kw):
+def test_logits_equal_the_models_own_step(model_dir, arch, kw, rows):
     """float32 on the CPU: the same ops in the same order on the same weights,
     so the same logits, bit for bit, over 40 steps and a window flush."""
-    model = _model(model_dir, arch, **kw)
+    model = _model(model_dir, arch, dequantize_rows=rows, **kw)
     assert make_step_forward(model) is not None
     cache = _filled(model, [0, 7, 3])
     theirs, ours = _steps(model, cache, own_forward=False), _steps(model, cache, own_forward=True)
@@ -64,8 +77,8 @@ def test_logits_equal_the_models_own_step(model_dir, arch, kw):
 
 @pytest.mark.parametrize("arch,kw,fuse,reason", [
     ("qwen3_moe", {}, True, "model type mlx_lm.models.qwen3_moe"),
-    ("qwen2", {}, False, "projections not fused, or quantized"),
-    ("qwen2", {"quantize_bits": 4}, True, "projections not fused, or quantized"),
+    ("qwen2", {}, False, "projections not fused, or of another type"),
+    ("qwen2", {"quantize_bits": 4}, False, "projections not fused, or of another type"),
     ("llama", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, True,
      "sliding-window layers"),
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

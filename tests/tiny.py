@@ -109,6 +109,7 @@ def build_model(
     seed: int = 0,
     quantize_bits: int | None = None,
     group_size: int = 32,
+    quantize_mode: str = "affine",
     repeater: bool = False,
     **overrides,
 ) -> Path:
@@ -141,8 +142,11 @@ def build_model(
         model.load_weights(zeroed, strict=False)
     model.set_dtype(getattr(mx, dtype))
     if quantize_bits:
-        nn.quantize(model, group_size=group_size, bits=quantize_bits)
-        config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
+        # The fp modes (mxfp4, nvfp4: 4 bits; mxfp8: 8) have their own group size.
+        group = group_size if quantize_mode == "affine" else None
+        nn.quantize(model, group_size=group, bits=quantize_bits, mode=quantize_mode)
+        group = model.model.layers[0].self_attn.o_proj.group_size if group is None else group
+        config["quantization"] = {"group_size": group, "bits": quantize_bits, "mode": quantize_mode}
     mx.eval(model.parameters())
     mx.save_safetensors(
         str(path / "model.safetensors"), dict(tree_flatten(model.parameters()))

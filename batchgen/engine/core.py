@@ -102,14 +102,18 @@ def shard_model(model, config: dict, group, spec: str) -> None:
     mx.eval(model.parameters())
 
 
-def model_digest(spec: str, config: dict, fused: bool) -> str:
+def model_digest(spec: str, config: dict, fused: bool, dequantize_rows: int | None = None) -> str:
     """Identity of the model + tokenizer + template, for persisted prompt caches.
+    Fusion and the quantized layers' dense route round differently, so they are
+    part of it (a route that is off leaves the digest as it was before routes).
 
     Weight files are fingerprinted by size and their first and last MiB, which
     tells apart any two real checkpoints without reading gigabytes.
     """
     h = hashlib.sha256(repr(sorted(config.items())).encode())
     h.update(b"fused" if fused else b"unfused")
+    if dequantize_rows is not None:
+        h.update(f"dequantize_rows={dequantize_rows}".encode())
     path = Path(spec).expanduser()
     if not path.exists():
         h.update(spec.encode())
@@ -203,6 +207,7 @@ class Engine:
         self.model_config = model_config
         self.context_length = context_length(model_config)
         self.fusion_report = None
+        self.quantized_report = None  # `QuantizedReport`, once `make_fast` ran
         self.load_s = 0.0
         self.model_memory_gb = 0.0
         self._digest = None
@@ -240,13 +245,18 @@ class Engine:
         return engine
 
     def make_fast(self) -> None:
-        """Load-time transforms: dtype, weight fusion, attention routed to the caches."""
+        """Load-time transforms: dtype, weight fusion, quantized layers routed by
+        their rows (after fusion, which wants the layers' own types), attention
+        routed to the caches."""
+        from ..transforms.quantized import resolve_rows, route_quantized
+
         if self.config.dtype:
             cast_floats(self.model, getattr(mx, self.config.dtype))
         if self.config.fuse:
             from ..transforms.fusion import fuse_model
 
             self.fusion_report = fuse_model(self.model)
+        self.quantized_report = route_quantized(self.model, resolve_rows(self.config.dequantize_rows))
         route_attention(self.model)
         mx.clear_cache()
         self.model_memory_gb = mx.get_active_memory() / 1e9
@@ -254,7 +264,8 @@ class Engine:
     @property
     def digest(self) -> str:
         if self._digest is None:
-            self._digest = model_digest(self.config.model, self.model_config, self.config.fuse)
+            rows = self.quantized_report.dequantize_rows if self.quantized_report else None
+            self._digest = model_digest(self.config.model, self.model_config, self.config.fuse, rows)
         return self._digest
 
     # -- prompts ----------------------------------------------------------

@@ -12,7 +12,10 @@ token per row none of that is needed:
 - projections read weights transposed once, when the step is made (an
   evaluated `.T` view: no copy, no primitive per call), or on CUDA, where the
   weight is small and the rows few, through `projection`'s tensor-core kernel
-  (its launch costs less than cuBLASLt's);
+  (its launch costs less than cuBLASLt's); quantized ones run as the model's
+  own layers do (`transforms/quantized.project`: quantized_matmul below the
+  layer's `dequantize_rows`, a dense matmul over the dequantized weight from
+  there on), never through that bf16 kernel;
 - RoPE runs once over the fused q|k|v output viewed as (rows, heads, 1, D):
   v's rotation is computed and never read, which costs less than slicing q and
   k out (a strided slice is copied before a kernel reads it);
@@ -24,8 +27,8 @@ token per row none of that is needed:
 The ops are the model's own, in its order, on the same weights: on the CPU the
 logits equal the model's (float32, tested). qwen3's per-head q/k norms run
 before the RoPE (a concatenation puts q|k|v back together: 5 primitives more).
-Models this does not cover (other layer structures, quantized or unfused
-projections, sliding windows, other RoPE kinds) get None from
+Models this does not cover (other layer structures, unfused projections or
+other layer types, sliding windows, other RoPE kinds) get None from
 `make_step_forward` and step through the model itself.
 """
 
@@ -40,6 +43,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from ..kernels import projection
+from ..transforms import quantized
 
 
 log = logging.getLogger("batchgen")
@@ -62,8 +66,27 @@ class _Linear:
         return x @ self.w_t if self.bias is None else mx.addmm(self.bias, x, self.w_t)
 
 
-def _linear(module: nn.Module) -> _Linear:
-    """A linear layer (or a tied embedding) as a `_Linear`."""
+@dataclass(frozen=True)
+class _QuantizedLinear:
+    """A quantized projection (or tied embedding): its layer's arrays and settings,
+    the product as the layer computes it (`quantized.project`, by the rows and the
+    layer's `dequantize_rows`; None where the layer was never routed)."""
+
+    layer: nn.Module
+    dequantize_rows: int | None
+
+    def __call__(self, x: mx.array, kernel: bool) -> mx.array:
+        return quantized.project(self.layer, x, self.dequantize_rows)
+
+
+_LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear, quantized.RoutedQuantizedLinear)
+_EMBEDDING_TYPES = (nn.Embedding, nn.QuantizedEmbedding, quantized.RoutedQuantizedEmbedding)
+
+
+def _linear(module: nn.Module) -> _Linear | _QuantizedLinear:
+    """A linear layer (or a tied embedding) as a `_Linear`, or a quantized one as a `_QuantizedLinear`."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return _QuantizedLinear(module, getattr(module, "dequantize_rows", None))
     w = module["weight"]
     w_t = w.T
     mx.eval(w_t)
@@ -74,12 +97,12 @@ def _linear(module: nn.Module) -> _Linear:
 class _Layer:
     norm1: mx.array
     eps1: float
-    qkv: _Linear  # (Hq + 2 Hkv) D outputs: q | k | v
-    o: _Linear
+    qkv: _Linear | _QuantizedLinear  # (Hq + 2 Hkv) D outputs: q | k | v
+    o: _Linear | _QuantizedLinear
     norm2: mx.array
     eps2: float
-    gate_up: _Linear  # 2 I outputs: gate | up
-    down: _Linear
+    gate_up: _Linear | _QuantizedLinear  # 2 I outputs: gate | up
+    down: _Linear | _QuantizedLinear
     qk_norms: tuple | None = None  # qwen3: (q weight, k weight, eps), RMS norm of each head before RoPE
 
 
@@ -90,8 +113,8 @@ def _unsupported(model) -> str | None:
     inner = model.model
     if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
         return "sliding-window layers"
-    if type(inner.embed_tokens) is not nn.Embedding or any(type(m) is not nn.Linear for m in _linears(model)):
-        return "projections not fused, or quantized"
+    if type(inner.embed_tokens) not in _EMBEDDING_TYPES or any(type(m) not in _LINEAR_TYPES for m in _linears(model)):
+        return "projections not fused, or of another type"
     first = inner.layers[0].self_attn
     if type(first.rope) is not nn.RoPE:
         return "a RoPE variant"
@@ -117,7 +140,10 @@ def _linears(model) -> list:
 
 
 def _head_dim(attn) -> int:
-    return attn.o_proj["weight"].shape[1] // attn.n_heads
+    o = attn.o_proj
+    # A quantized weight packs 32 // bits inputs a word: its scales count the groups.
+    inputs = o["scales"].shape[-1] * o.group_size if "scales" in o else o["weight"].shape[1]
+    return inputs // attn.n_heads
 
 
 class StepForward:
