@@ -185,12 +185,9 @@ class RowPicking:
             if len(idx) == B:
                 tokens = drawn
             else:
-                slot = [0] * B  # row i's place among the drawn rows
-                for j, i in enumerate(idx):
-                    slot[i] = j
-                chosen = set(idx)
-                on = mx.array([k in chosen for k in range(B)])
-                tokens = mx.where(on, drawn[mx.array(slot)], tokens)
+                slot = {i: j for j, i in enumerate(idx)}  # row i's place among the drawn rows
+                on = mx.array([i in slot for i in range(B)])
+                tokens = mx.where(on, drawn[mx.array([slot.get(i, 0) for i in range(B)])], tokens)
         self.state.push(tokens, valid)
         k = max((r.job.top_logprobs for _, r in needs if r.job.logprobs), default=-1)
         return tokens, (token_logprobs(logits, tokens, k) if k >= 0 else None)

@@ -39,7 +39,9 @@ def make_keys(seed: int, n: int) -> mx.array:
     """PRNG keys for the first `n` generated tokens: row t is `(seed, t)`
     (uint32), so token t's key depends on the seed and t alone, never on how
     many keys were made (as `split(key, n)`'s would)."""
-    return key_rows([seed] * max(n, 1), list(range(max(n, 1))))
+    n = max(n, 1)
+    seed32 = mx.full((n,), seed % (1 << 32), dtype=mx.uint32)
+    return mx.stack([seed32, mx.arange(n, dtype=mx.uint32)], axis=1)
 
 
 def key_rows(seeds: list[int], ts: list[int]) -> mx.array:
