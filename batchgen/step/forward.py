@@ -68,12 +68,15 @@ class _Linear:
 
 @dataclass(frozen=True)
 class _QuantizedLinear:
-    """A quantized projection (or tied embedding): its layer's arrays and settings,
-    the product as the layer computes it (`quantized.project`, by the rows and the
-    layer's `dequantize_rows`; None where the layer was never routed)."""
+    """A quantized projection (or tied embedding): the product as the layer
+    computes it (`quantized.project`, by the rows and the layer's
+    `dequantize_rows`, which a layer never routed lacks)."""
 
     layer: nn.Module
-    dequantize_rows: int | None
+
+    @property
+    def dequantize_rows(self) -> int | None:
+        return getattr(self.layer, "dequantize_rows", None)
 
     def __call__(self, x: mx.array, kernel: bool) -> mx.array:
         return quantized.project(self.layer, x, self.dequantize_rows)
@@ -86,7 +89,7 @@ _EMBEDDING_TYPES = (nn.Embedding, nn.QuantizedEmbedding, quantized.RoutedQuantiz
 def _linear(module: nn.Module) -> _Linear | _QuantizedLinear:
     """A linear layer (or a tied embedding) as a `_Linear`, or a quantized one as a `_QuantizedLinear`."""
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return _QuantizedLinear(module, getattr(module, "dequantize_rows", None))
+        return _QuantizedLinear(module)
     w = module["weight"]
     w_t = w.T
     mx.eval(w_t)

@@ -30,6 +30,7 @@ the CPU they agree to ~1e-5 relative (tests/test_quantized.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -66,10 +67,7 @@ def resolve_rows(setting) -> int | None:
 
 def rows_of(x: mx.array) -> int:
     """The rows of a product over x (..., in): its leading axes flattened."""
-    n = 1
-    for s in x.shape[:-1]:
-        n *= s
-    return n
+    return math.prod(x.shape[:-1])
 
 
 def dense(threshold: int | None, rows: int) -> bool:
