@@ -1,8 +1,10 @@
-"""Demo model, jobs/edits.jsonl, float32: greedy outputs with TurboQuant variants and
-with mlx-lm's affine 4-bit cache (group 32: the demo's head_dim) against the
+"""A trained model (the demo model by default), jobs/edits.jsonl, float32: greedy outputs
+with TurboQuant variants and with mlx-lm's affine 4-bit cache (group 64, or 32 where the
+head dim is not a multiple of 64: mlx-lm's default group where it fits) against the
 full-precision cache, and the teacher-forced perplexity of the expected answers.
 
-    python bench/turboquant_demo_quality.py [--jobs N] [--every K] [--variants A,B] [--out F]
+    python bench/turboquant_demo_quality.py [--model DIR] [--jobs N] [--every K]
+        [--variants A,B] [--out F]
 
 Prints one line per job and a summary (also written to --out, by default
 bench/results/turboquant_demo_quality.json). --every K takes every K-th edit job
@@ -29,13 +31,19 @@ from batchgen.cache.factory import make_turboquant_cache  # noqa: E402
 from batchgen.bench import answer_nll, greedy_ids, prefix_agreement  # noqa: E402
 
 
+def head_dim(model) -> int:
+    attn = model.layers[0].self_attn
+    return getattr(attn, "head_dim", None) or attn.k_proj.weight.shape[0] // attn.n_kv_heads
+
+
 def variants(model) -> dict:
-    """Cache makers by name; "fp32" (the reference) first."""
+    """Cache makers by name; "fp32" (the reference) first, then mlx-lm's 4-bit cache."""
     layers = len(model.layers)
     make = make_turboquant_cache
+    group = 64 if head_dim(model) % 64 == 0 else 32
     return {
         "fp32": lambda: [KVCache() for _ in range(layers)],
-        "mlx4_g32": lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in range(layers)],
+        f"mlx4_g{group}": lambda: [QuantizedKVCache(group_size=group, bits=4) for _ in range(layers)],
         "tq4_default": lambda: make(model, 4),
         "tq4_k4v4": lambda: make(model, 4, key_bits=4, value_bits=4),
         "tq4_k5v3_w16s8": lambda: make(model, 4, window=16, sink_tokens=8),
@@ -95,12 +103,13 @@ def summarize(res: dict, ntok: int, jobs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "batchgen" / "demo"))
     ap.add_argument("--jobs", type=int, default=24)
     ap.add_argument("--every", type=int, default=0)
     ap.add_argument("--variants", default="")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "turboquant_demo_quality.json")
     args = ap.parse_args()
-    model, tok = load(str(ROOT / "batchgen" / "demo"))
+    model, tok = load(args.model)
     model.set_dtype(mx.float32)
     makers = variants(model)
     if args.variants:
@@ -109,8 +118,9 @@ def main() -> None:
     t0 = time.time()
     res, ntok = measure(model, tok, system, jobs, answers, makers)
     summary = summarize(res, ntok, len(jobs))
-    for name, s in summary.items():
-        print(name, s)
+    summary["_model"] = {"path": args.model, "head_dim": head_dim(model), "layers": len(model.layers)}
+    for name, row in summary.items():
+        print(name, row)
     print("seconds", round(time.time() - t0, 1))
     json.dump(summary, open(args.out, "w"), indent=2)
 
