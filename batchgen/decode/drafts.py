@@ -188,14 +188,17 @@ class DraftPolicy:
             return True
         return skipped > 0 and skipped % self.explore_every == 0
 
-    def calibrate(self, model, cache: list, token: int, lengths: list[int], steps: int = 6) -> None:
+    def calibrate(self, model, cache: list, context: Sequence[int], lengths: list[int], steps: int = 6) -> None:
         """Time plain pipelined steps and verify passes of `lengths` tokens on
         a scratch copy of `cache`, so the first job's decisions already rest
-        on this device's costs (a few passes, once per run)."""
+        on this device's costs (a few passes, once per run). The passes feed
+        the context's own last tokens: a mixture-of-experts layer's cost grows
+        with the experts its tokens reach, so one token repeated would time a
+        verify pass at a plain step's cost."""
         from ..cache.pool import clone_cache
 
         scratch = clone_cache(cache)
-        y = mx.array([token])
+        y = mx.array([context[-1]])
         for timed in (False, True):  # the first round warms up kernels
             start = time.perf_counter()
             for _ in range(steps):
@@ -206,7 +209,8 @@ class DraftPolicy:
                 self.plain_token_s.add((time.perf_counter() - start) / steps)
             for length in lengths:
                 start = time.perf_counter()
-                mx.eval(mx.argmax(model(mx.array([token] * length)[None], cache=scratch), axis=-1))
+                fed = [context[(i - length) % len(context)] for i in range(length)]  # the last `length`, cycled
+                mx.eval(mx.argmax(model(mx.array(fed)[None], cache=scratch), axis=-1))
                 if timed:
                     self.verify_pass_s.add(time.perf_counter() - start)
         self.calibrated = True

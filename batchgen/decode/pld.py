@@ -129,7 +129,7 @@ class PLDDecoder:
     def __iter__(self) -> Iterator[int]:
         with mx.stream(self.stream):
             if self.policy.adaptive and not self.policy.calibrated:
-                self.policy.calibrate(self.model, self.cache, self.ctx[-1], self._verify_lengths())
+                self.policy.calibrate(self.model, self.cache, self.ctx, self._verify_lengths())
             while True:
                 draft = self._choose_draft()
                 if draft and self.pipelined:
