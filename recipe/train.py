@@ -1,8 +1,11 @@
-"""A qwen2-architecture decoder written directly in PyTorch, its training loop, and its
-export to the safetensors + config.json layout that `mlx_lm.load` reads.
+"""A small decoder written directly in PyTorch (qwen2, llama, qwen3 or qwen3_moe
+architecture), its training loop, and its export to the safetensors + config.json layout
+that `mlx_lm.load` reads.
 
-The module tree mirrors Hugging Face's Qwen2ForCausalLM so that `state_dict()` keys are
-already the names mlx-lm expects (`model.layers.0.self_attn.q_proj.weight`, ...).
+The module tree mirrors Hugging Face's Qwen2ForCausalLM (and its llama/qwen3/qwen3_moe
+siblings) so that `state_dict()` keys are already the names mlx-lm expects
+(`model.layers.0.self_attn.q_proj.weight`, `model.layers.0.mlp.experts.3.up_proj.weight`,
+...).
 """
 
 from __future__ import annotations
@@ -20,44 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipe.model_config import ARCHITECTURES, ModelConfig  # noqa: F401 - re-exported
+
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    # 640 rather than 768 keeps the bf16 file under 14 MB (768 would be ~14.7 MB).
-    intermediate_size: int = 640
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def hf_config(self, eos_token_id: int, pad_token_id: int, dtype: str) -> dict:
-        """config.json for mlx-lm (and transformers) to rebuild this model."""
-        return {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            **asdict(self),
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "attention_dropout": 0.0,
-            "rope_traditional": False,
-            "tie_word_embeddings": True,
-            "use_sliding_window": False,
-            "use_cache": True,
-            "bos_token_id": None,
-            "eos_token_id": eos_token_id,
-            "pad_token_id": pad_token_id,
-            "torch_dtype": dtype,
-        }
 
 
 # ---------------------------------------------------------------- model
@@ -104,16 +72,26 @@ class Attention(nn.Module):
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         dim = config.hidden_size
-        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=True)
+        bias = config.arch == "qwen2"  # q/k/v biases; llama's attention_bias is false
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        if config.arch in ("qwen3", "qwen3_moe"):
+            # Over head_dim, on each head, before RoPE (Qwen3Attention).
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, length, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Query head h reads kv head h // group, as in HF repeat_kv and mlx's GQA.
         group = self.n_heads // self.n_kv_heads
@@ -125,30 +103,87 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse MLP: router `gate`, experts `experts.{e}` (SwiGLU MLPs of width
+    moe_intermediate_size). Routing as mlx-lm computes it: softmax over all experts in
+    float32, the top num_experts_per_tok probabilities, renormalized to sum 1 when
+    norm_topk_prob, each chosen expert's output weighted by its probability.
+
+    Every expert runs on every token (three matmuls over the experts' weights side by
+    side) and the experts not chosen get weight 0: the same function as sparse dispatch,
+    simpler and, at these sizes, fast. In training mode the forward also returns the
+    Switch-Transformer load-balancing loss (num_experts * sum_e f_e * P_e: f_e the share of
+    the top-k choices that go to expert e, P_e its mean router probability; 1 when the
+    routing is uniform), else None."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+
+    def routing_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, probs), both (..., num_experts): the top-k-masked (and renormalized)
+        weights and the full softmax probabilities, float32."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        top, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return torch.zeros_like(probs).scatter(-1, chosen, top), probs
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weights, probs = self.routing_weights(x)
+        gate = torch.cat([e.gate_proj.weight for e in self.experts])  # (E * I, hidden)
+        up = torch.cat([e.up_proj.weight for e in self.experts])
+        down = torch.cat([e.down_proj.weight for e in self.experts], dim=1)  # (hidden, E * I)
+        h = F.silu(F.linear(x, gate)) * F.linear(x, up)
+        # Weighting before the (linear) down projection = weighting each expert's output.
+        h = h.unflatten(-1, (self.num_experts, -1)) * weights.to(h.dtype).unsqueeze(-1)
+        out = F.linear(h.flatten(-2), down)
+        aux = None
+        if self.training:
+            chosen = (weights > 0).float().reshape(-1, self.num_experts)
+            share = chosen.mean(0) / self.top_k
+            aux = self.num_experts * (share * probs.reshape(-1, self.num_experts).mean(0)).sum()
+        return out, aux
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dropout: float = 0.0, attention_dropout: float = 0.0):
         super().__init__()
         self.self_attn = Attention(config, attention_dropout)
-        self.mlp = MLP(config)
+        if config.arch == "qwen3_moe":
+            self.mlp = SparseMoeBlock(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Residual dropout (GPT-2 style) on each branch's output; identity in eval mode,
         # and no parameters: the export is the same with or without it.
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, the MoE load-balancing loss in training mode, else None)."""
         h = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin))
-        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
+        out = self.mlp(self.post_attention_layernorm(h))
+        out, aux = out if isinstance(out, tuple) else (out, None)
+        return h + self.dropout(out), aux
 
 
 class Qwen2Body(nn.Module):
@@ -163,10 +198,14 @@ class Qwen2Body(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """Tied embeddings: the output projection is embed_tokens.weight, no lm_head.
+    """The model of every arch (config.arch); the name is that of the default one.
+
+    Tied embeddings: the output projection is embed_tokens.weight, no lm_head.
 
     `dropout` (residual branches and embeddings) and `attention_dropout` act in training
-    mode only; they are not part of ModelConfig since the exported model has none."""
+    mode only; they are not part of ModelConfig since the exported model has none.
+    After a training-mode forward of a qwen3_moe model, `aux_loss` holds the mean over
+    layers of the load-balancing loss (None otherwise)."""
 
     def __init__(self, config: ModelConfig, dropout: float = 0.0, attention_dropout: float = 0.0):
         super().__init__()
@@ -177,6 +216,7 @@ class Qwen2ForCausalLM(nn.Module):
         # Not persistent: the export must contain only the weights mlx-lm knows.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.aux_loss = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -198,8 +238,12 @@ class Qwen2ForCausalLM(nn.Module):
         length = input_ids.shape[1]
         cos, sin = self.rope_cos[:length], self.rope_sin[:length]
         h = self.embed_dropout(self.model.embed_tokens(input_ids))
+        aux = []
         for layer in self.model.layers:
-            h = layer(h, cos, sin)
+            h, layer_aux = layer(h, cos, sin)
+            if layer_aux is not None:
+                aux.append(layer_aux)
+        self.aux_loss = torch.stack(aux).mean() if aux else None
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -223,7 +267,8 @@ def export_model(
     pad_token_id: int,
     dtype: torch.dtype = torch.bfloat16,
 ) -> int:
-    """Write model.safetensors (HF qwen2 names) and config.json; return the file's bytes."""
+    """Write model.safetensors (Hugging Face names of config.arch) and config.json; return
+    the file's bytes."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -419,6 +464,9 @@ class TrainConfig:
     log_every_s: float = 15.0
     keep_best: bool = True  # end with the weights of the best held-out loss
     select: str = "edit"  # the HeldOut group whose loss picks the best weights
+    # qwen3_moe: weight of the load-balancing loss added to the training loss (not to the
+    # reported losses); the Switch Transformer's 0.01.
+    router_aux_loss_coef: float = 0.01
 
 
 def pick_device(name: str) -> torch.device:
@@ -592,9 +640,13 @@ class LossMeter:
         return f"loss {self.last_loss:.4f} {tokens_per_s:,.0f} tok/s elapsed {elapsed_s:.0f}s"
 
 
-def train_step(model, optimizer, loss_fn, batch: tuple, grad_clip: float) -> torch.Tensor:
+def train_step(
+    model, optimizer, loss_fn, batch: tuple, grad_clip: float, aux_coef: float = 0.0
+) -> torch.Tensor:
+    """One optimizer step; returns the answer loss (without the MoE auxiliary loss)."""
     loss = loss_fn(*batch)
-    loss.backward()
+    aux = getattr(model, "aux_loss", None)
+    (loss + aux_coef * aux if aux_coef and aux is not None else loss).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -638,7 +690,9 @@ def train(
         inputs_np, targets_np = make_batch(examples, rows, pad_id)
         batch = device_batch(inputs_np, targets_np, device)
         try:
-            loss = train_step(model, optimizer, loss_fn, batch, config.grad_clip)
+            loss = train_step(
+                model, optimizer, loss_fn, batch, config.grad_clip, config.router_aux_loss_coef
+            )
         except Exception as error:  # noqa: BLE001 - a compiled-graph failure
             if not compiled:
                 raise
@@ -646,7 +700,9 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             decompile_layers(model)
             compiled = False
-            loss = train_step(model, optimizer, loss_fn, batch, config.grad_clip)
+            loss = train_step(
+                model, optimizer, loss_fn, batch, config.grad_clip, config.router_aux_loss_coef
+            )
         count.steps += 1
         count.tokens += inputs_np.size
         count.real_tokens += int((examples.lengths[rows] - 1).sum())

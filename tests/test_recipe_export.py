@@ -24,8 +24,9 @@ CORPUS = [
 
 
 def small_config(vocab_size: int, hidden_size: int = 64, intermediate_size: int = 96,
-                 max_position_embeddings: int = 64) -> ModelConfig:  # fmt: skip
-    """2 layers, 4 query heads over 2 KV heads (GQA), the given widths."""
+                 max_position_embeddings: int = 64, **arch) -> ModelConfig:  # fmt: skip
+    """2 layers, 4 query heads over 2 KV heads (GQA), the given widths; `arch` holds
+    ModelConfig's arch, head_dim and expert fields."""
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -34,12 +35,14 @@ def small_config(vocab_size: int, hidden_size: int = 64, intermediate_size: int 
         num_key_value_heads=2,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
+        **arch,
     )
 
 
-def tiny_model(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
+def tiny_model(vocab_size: int, seed: int = 0, hidden_size: int = 64, **arch) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(small_config(vocab_size, max_position_embeddings=256))
+    config = small_config(vocab_size, hidden_size, max_position_embeddings=256, **arch)
+    model = Qwen2ForCausalLM(config)
     # Wider than the training init, and non-trivial norms and biases, so that a wrong
     # layout (rope halves, GQA grouping, bias, norm) shows up in the logits.
     model.reset_parameters(std=0.2)
@@ -47,6 +50,8 @@ def tiny_model(vocab_size: int, seed: int = 0) -> Qwen2ForCausalLM:
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", ".bias")):
                 param.add_(torch.randn_like(param) * 0.3)
+            elif name.endswith("mlp.gate.weight"):
+                param.mul_(5)  # decided routing: no near-ties in the top-k choice
     return model.eval()
 
 
@@ -73,6 +78,23 @@ def mlx_logits(path, ids: list[int]) -> np.ndarray:
     return np.array(model(mx.array([ids]))[0])
 
 
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# (arch fields, hidden size): head dims 32, 64 and 128 for each arch; qwen2's head dim
+# is hidden_size // heads (mlx-lm derives it), the others' is independent of the width.
+ARCH_CASES = {
+    f"{arch}-hd{head_dim}": (dict(arch=arch, head_dim=head_dim, **extra), hidden)
+    for arch, extra in [("qwen2", {}), ("llama", {}), ("qwen3", {}), ("qwen3_moe", MOE)]
+    for head_dim in (32, 64, 128)
+    for hidden in [4 * head_dim if arch == "qwen2" else 64]
+}
+ARCH_CASES["qwen3_moe-hd32-top1-unnormalized"] = (
+    dict(arch="qwen3_moe", head_dim=32, **{**MOE, "num_experts_per_tok": 1}, norm_topk_prob=False),
+    64,
+)
+# Python source with indentation, blank lines, tabs, numbers and a contraction.
+CODE = "def f(x):\n    if x:\n\n        return 12345  # it's 2\n\treturn  x * 0.5\r\n  \n"
+
+
 def torch_logits(model, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).float().numpy()[0]
@@ -89,6 +111,147 @@ def test_float32_export_matches_torch(tmp_path, tokenizer):
     ids = prompt_ids(tokenizer)
     assert len(ids) > 20
     assert_close(mlx_logits(path, ids), torch_logits(model, ids), rel=1e-3)
+
+
+@pytest.mark.parametrize("case", sorted(ARCH_CASES))
+def test_every_arch_and_head_dim_exports_to_mlx_lm(tmp_path, tokenizer, case):
+    """float32 logits through mlx_lm.load equal the torch model's, and the loaded
+    tokenizer gives the recipe tokenizer's ids for Python source and the chat prompt."""
+    arch, hidden_size = ARCH_CASES[case]
+    model = tiny_model(tokenizer.get_vocab_size(), hidden_size=hidden_size, **arch)
+    path = export(tmp_path, model, tokenizer, torch.float32)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == arch["arch"] and config["head_dim"] == arch["head_dim"]
+    loaded, wrapper = load(str(path))
+    assert type(loaded).__module__ == f"mlx_lm.models.{arch['arch']}"
+    weights = mx.load(str(path / "model.safetensors"))
+    assert sum(w.size for w in weights.values()) == count_parameters(model)
+    loaded.set_dtype(mx.float32)
+    ids = prompt_ids(tokenizer)
+    logits = np.array(loaded(mx.array([ids]))[0])
+    assert_close(logits, torch_logits(model, ids), rel=1e-3)
+    messages = [{"role": "user", "content": CODE}]
+    for sample in (CODE, CORPUS[2] * 2, tok.render_chat(messages)):
+        assert wrapper.encode(sample, add_special_tokens=False) == tokenizer.encode(sample).ids
+    assert wrapper.encode(CODE) == tokenizer.encode(CODE).ids  # no BOS added either
+    chat = wrapper.apply_chat_template(messages, add_generation_prompt=True)
+    assert chat == tokenizer.encode(tok.render_chat(messages)).ids
+    assert wrapper.decode(tokenizer.encode(CODE).ids) == CODE
+
+
+def test_arch_configs_carry_what_mlx_lm_reads(tmp_path, tokenizer):
+    vocab = tokenizer.get_vocab_size()
+    names = {}
+    for arch, extra in [("qwen2", {}), ("llama", {}), ("qwen3", {}), ("qwen3_moe", MOE)]:
+        model = tiny_model(vocab, arch=arch, **extra)
+        path = export(tmp_path / arch, model, tokenizer, torch.bfloat16)
+        config = json.loads((path / "config.json").read_text())
+        assert config["tie_word_embeddings"] is True and config["bos_token_id"] is None
+        names[arch] = set(mx.load(str(path / "model.safetensors")))
+        if arch == "llama":
+            assert config["architectures"] == ["LlamaForCausalLM"]
+            assert config["attention_bias"] is False and config["mlp_bias"] is False
+        if arch == "qwen3_moe":
+            assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+            assert (config["num_experts"], config["num_experts_per_tok"]) == (4, 2)
+            assert config["moe_intermediate_size"] == 32 and config["norm_topk_prob"] is True
+            assert config["decoder_sparse_step"] == 1 and config["mlp_only_layers"] == []
+    layer = "model.layers.1"
+    assert f"{layer}.self_attn.q_proj.bias" in names["qwen2"]
+    for arch in ("llama", "qwen3", "qwen3_moe"):
+        assert not any(name.endswith(".bias") for name in names[arch])
+    assert names["llama"] == {n for n in names["qwen2"] if not n.endswith(".bias")}
+    assert names["qwen3"] == names["llama"] | {
+        f"model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in "qk"
+    }
+    assert f"{layer}.mlp.gate.weight" in names["qwen3_moe"]
+    assert f"{layer}.mlp.experts.3.down_proj.weight" in names["qwen3_moe"]
+    assert f"{layer}.mlp.gate_proj.weight" not in names["qwen3_moe"]
+
+
+def test_default_qwen2_config_json_is_unchanged():
+    """The default model's config.json (the shipped model's), key by key and in order."""
+    config = ModelConfig().hf_config(eos_token_id=2, pad_token_id=0, dtype="bfloat16")
+    assert list(config.items()) == [
+        ("architectures", ["Qwen2ForCausalLM"]),
+        ("model_type", "qwen2"),
+        ("vocab_size", 4096),
+        ("hidden_size", 256),
+        ("num_hidden_layers", 8),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+        ("intermediate_size", 640),
+        ("rms_norm_eps", 1e-6),
+        ("rope_theta", 10000.0),
+        ("max_position_embeddings", 4096),
+        ("head_dim", 32),
+        ("hidden_act", "silu"),
+        ("attention_dropout", 0.0),
+        ("rope_traditional", False),
+        ("tie_word_embeddings", True),
+        ("use_sliding_window", False),
+        ("use_cache", True),
+        ("bos_token_id", None),
+        ("eos_token_id", 2),
+        ("pad_token_id", 0),
+        ("torch_dtype", "bfloat16"),
+    ]
+
+
+def test_model_config_rejects_what_mlx_lm_cannot_rebuild():
+    with pytest.raises(ValueError, match="qwen2"):
+        ModelConfig(head_dim=64)  # hidden 256 with 8 heads: mlx-lm's qwen2 uses 32
+    assert ModelConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=64).head_dim == 64
+    assert ModelConfig(arch="llama", head_dim=128).head_dim == 128
+    with pytest.raises(ValueError, match="experts"):
+        ModelConfig(arch="qwen3_moe")
+    with pytest.raises(ValueError, match="experts"):
+        ModelConfig(arch="qwen3", num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="arch"):
+        ModelConfig(arch="gpt2")
+
+
+def test_moe_block_matches_sparse_dispatch():
+    """The dense computation (every expert, weighted by the top-k-masked routing weights)
+    equals routing each token to its chosen experts only, as mlx-lm does."""
+    from recipe.train import SparseMoeBlock
+
+    torch.manual_seed(0)
+    for norm in (True, False):
+        config = small_config(32, arch="qwen3_moe", **MOE, norm_topk_prob=norm)
+        block = SparseMoeBlock(config).eval()
+        x = torch.randn(3, 5, config.hidden_size)
+        with torch.no_grad():
+            out, aux = block(x)
+            expected = torch.zeros_like(x)
+            probs = torch.softmax(block.gate(x), dim=-1)
+            top, chosen = probs.topk(2, dim=-1)
+            if norm:
+                top = top / top.sum(-1, keepdim=True)
+            for index in np.ndindex(3, 5):
+                for weight, e in zip(top[index], chosen[index]):
+                    expected[index] += weight * block.experts[int(e)](x[index])
+        assert aux is None  # eval mode
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_balance_loss_is_one_for_uniform_routing():
+    from recipe.train import SparseMoeBlock
+
+    block = SparseMoeBlock(small_config(32, arch="qwen3_moe", **MOE)).train()
+    tokens = torch.arange(64)
+    # Every probability 1/4 and the top-2 choices spread evenly: f_e = P_e = 1/4.
+    weights = torch.zeros(64, 4)
+    weights[tokens, tokens % 4] = weights[tokens, (tokens + 1) % 4] = 0.5
+    block.routing_weights = lambda x: (weights, torch.full((64, 4), 0.25))
+    _, aux = block(torch.randn(64, 64))
+    assert aux.item() == pytest.approx(1.0)
+    # All choices on experts 0 and 1, which also get all the probability: 4 * 2 * 1/4.
+    skewed = torch.zeros(64, 4)
+    skewed[:, :2] = 0.5
+    block.routing_weights = lambda x: (skewed, skewed)
+    _, aux = block(torch.randn(64, 64))
+    assert aux.item() == pytest.approx(2.0)
 
 
 def test_bfloat16_export_matches_rounded_torch_weights(tmp_path, tokenizer):
@@ -208,6 +371,31 @@ def test_training_learns_to_copy():
         torch.set_num_threads(threads)
     assert summary["steps"] == 150 and summary["stopped_by"] == "steps"
     assert before > 3.0 and after < 0.5 * before, (before, after)
+
+
+def test_qwen3_moe_trains_with_the_balance_loss():
+    """A few steps of a tiny qwen3_moe model: finite losses, and the router learns."""
+    from recipe.train import Examples, TrainConfig, train
+
+    rng = np.random.default_rng(0)
+    bodies = [rng.integers(4, 32, size=8).tolist() for _ in range(64)]
+    examples = Examples.from_pairs([[1, *b, 3] for b in bodies], [[*b, 2] for b in bodies], 64)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(small_config(32, arch="qwen3_moe", head_dim=32, **MOE), dropout=0.1)
+    router = model.model.layers[0].mlp.gate.weight.detach().clone()
+    config = TrainConfig(
+        max_steps=4, batch_tokens=512, lr=3e-3, warmup_steps=1, device="cpu", compile="off",
+        log_every_s=0.0, router_aux_loss_coef=0.01,
+    )  # fmt: skip
+    summary = train(model, examples, config, pad_id=0, log=lambda m: None)
+    assert summary["steps"] == 4 and np.isfinite(summary["final_loss"])
+    assert all(np.isfinite(loss) for _, _, loss in summary["loss_curve"])
+    assert model.aux_loss is not None and torch.isfinite(model.aux_loss)
+    assert not torch.equal(model.model.layers[0].mlp.gate.weight, router)
+    model.eval()
+    with torch.no_grad():
+        model(torch.tensor([[1, 5, 6]]))
+    assert model.aux_loss is None  # eval mode: no balance loss
 
 
 def _train_copy_task(model, examples):
@@ -397,4 +585,3 @@ def test_training_with_held_out_ends_on_the_best_measured_weights():
     best = min(curve, key=lambda r: r["held_out_loss"])
     assert summary["best"]["step"] == best["step"]
     assert held_out.losses(model)["edit"] == pytest.approx(best["held_out_loss"], abs=1e-4)
-
