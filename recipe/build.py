@@ -22,6 +22,7 @@ import numpy as np
 
 from recipe import data
 from recipe import tokenizer as tok
+from recipe.model_config import ARCHITECTURES, ModelConfig
 
 START_S = time.time()
 
@@ -78,6 +79,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="train on this many training functions only (0: all); for quick runs",
     )
+    model = parser.add_argument_group("model", "architecture (defaults: the shipped model)")
+    model.add_argument("--arch", choices=sorted(ARCHITECTURES), default="qwen2")
+    model.add_argument("--hidden-size", type=int, default=256)
+    model.add_argument("--layers", type=int, default=8)
+    model.add_argument("--heads", type=int, default=8, help="query heads")
+    model.add_argument("--kv-heads", type=int, default=4)
+    model.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help="default hidden size // heads; qwen2 takes no other value (mlx-lm derives it)",
+    )
+    model.add_argument(
+        "--intermediate-size", type=int, default=640, help="dense MLP width (not qwen3_moe's)"
+    )
+    model.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    model.add_argument(
+        "--experts-per-token", type=int, default=2, help="qwen3_moe: experts chosen per token"
+    )
+    model.add_argument(
+        "--moe-intermediate-size", type=int, default=128, help="qwen3_moe: expert MLP width"
+    )
+    model.add_argument(
+        "--router-aux-loss-coef",
+        type=float,
+        default=0.01,
+        help="qwen3_moe: weight of the load-balancing loss in training",
+    )
+    model.add_argument("--rope-theta", type=float, default=10000.0)
     parser.add_argument("--dropout", type=float, default=0.1, help="residual/embedding dropout")
     parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument(
@@ -103,7 +133,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:  # a bad architecture fails now, not after the data stage
+        model_config(args, args.vocab_size)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
 
 
 def build_data(args) -> tuple[list, list, dict, list]:
@@ -282,7 +317,6 @@ def train_stage(args, tokenizer, train_examples, tracked: dict, device):
     """A fresh model trained within the time left; returns (model, training summary)."""
     from recipe.train import (
         HeldOut,
-        ModelConfig,
         Qwen2ForCausalLM,
         StopFlag,
         TrainConfig,
@@ -291,7 +325,7 @@ def train_stage(args, tokenizer, train_examples, tracked: dict, device):
     )
 
     model = Qwen2ForCausalLM(
-        ModelConfig(vocab_size=tokenizer.get_vocab_size()),
+        model_config(args, tokenizer.get_vocab_size()),
         dropout=args.dropout,
         attention_dropout=args.attention_dropout,
     )
@@ -313,6 +347,7 @@ def train_stage(args, tokenizer, train_examples, tracked: dict, device):
         compile=args.compile,
         log_every_s=args.track_every_s or (10.0 if device.type == "cuda" else 60.0),
         keep_best=args.keep_best == "on",
+        router_aux_loss_coef=args.router_aux_loss_coef,
     )
     log(
         f"model: {count_parameters(model):,} parameters, {model.config}, "
@@ -332,6 +367,25 @@ def train_stage(args, tokenizer, train_examples, tracked: dict, device):
         f"held-out loss {best.get('held_out_loss')} at step {best.get('step')}"
     )
     return model, summary
+
+
+def model_config(args, vocab_size: int):
+    """The ModelConfig of the architecture flags (experts only for qwen3_moe)."""
+    moe = args.arch == "qwen3_moe"
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size,
+        rope_theta=args.rope_theta,
+        arch=args.arch,
+        head_dim=args.head_dim,
+        num_experts=args.experts if moe else 0,
+        num_experts_per_tok=args.experts_per_token if moe else 0,
+        moe_intermediate_size=args.moe_intermediate_size if moe else 0,
+    )
 
 
 def batch_tokens_for(args, device) -> int:
