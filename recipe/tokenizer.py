@@ -15,12 +15,16 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DEFAULT_VOCAB_SIZE = 4096
-# Qwen2's pre-tokenizer split: the model is declared qwen2, and transformers >= 5 loads
-# a qwen2 model's tokenizer as Qwen2Tokenizer, which rebuilds this split (and an NFC
+# Qwen2's pre-tokenizer split: the default model is declared qwen2, and transformers >= 5
+# loads a qwen2 model's tokenizer as Qwen2Tokenizer, which rebuilds this split (and an NFC
 # normalizer) whatever tokenizer.json says. Training with the same split makes the ids
 # identical under every transformers version; GPT-2's split (ByteLevel's own regex)
 # would be silently replaced at inference (newlines, indents and digits tokenize
-# differently) and the model would see token sequences it was never trained on.
+# differently) and the model would see token sequences it was never trained on. The
+# other archs get the same ids: qwen3 and qwen3_moe map to Qwen2Tokenizer too, or
+# tokenizer.json is read as it is; transformers 5.0 and 5.24 register no tokenizer
+# class for model_type llama (LlamaTokenizer would impose a Metaspace split), so the
+# declared PreTrainedTokenizerFast reads tokenizer.json (tests/test_recipe_tokenizer.py).
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""

@@ -1,4 +1,4 @@
-"""The recipe's tokenizer as mlx-lm loads it for a qwen2 model (no torch needed)."""
+"""The recipe's tokenizer as mlx-lm loads it for a model of each arch (no torch needed)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,18 @@ CORPUS = [
 ]
 
 
-def test_mlx_lm_tokenizes_exactly_as_training(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "qwen3", "qwen3_moe"])
+def test_mlx_lm_tokenizes_exactly_as_training(tmp_path, model_type):
     """transformers picks a tokenizer class from config.json's model_type (qwen2:
-    Qwen2Tokenizer, which rebuilds its own pre-tokenizer split); the ids mlx-lm gets
-    must be the training tokenizer's: text with indentation, blank lines, digits and
-    contractions, inside a chat."""
+    Qwen2Tokenizer, which rebuilds its own pre-tokenizer split; a llama tokenizer class
+    would impose a Metaspace one); the ids mlx-lm gets must be the training tokenizer's:
+    text with indentation, blank lines, digits and contractions, inside a chat."""
     trained = tok.train_tokenizer(CORPUS * 10, vocab_size=300)
     tok.save_tokenizer(trained, tmp_path)
     eos = trained.token_to_id(tok.EOS_TOKEN)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "eos_token_id": eos}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": model_type, "eos_token_id": eos})
+    )
     loaded = load_tokenizer(tmp_path)
     code = "def f(x):\n    if x:\n\n        return 12345  # it's 2\n\treturn  x\r\n  \n"
     messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": code}]
@@ -36,5 +39,6 @@ def test_mlx_lm_tokenizes_exactly_as_training(tmp_path):
     assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == text
     for sample in (code, text, CORPUS[2] * 2):
         assert loaded.encode(sample, add_special_tokens=False) == trained.encode(sample).ids
+    assert loaded.encode(code) == trained.encode(code).ids  # no BOS added
     assert loaded.decode(trained.encode(code).ids) == code
     assert loaded.eos_token_ids == {eos}
