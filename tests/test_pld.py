@@ -7,7 +7,7 @@ import pytest
 
 from batchgen.config import DecodeConfig, EngineConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine.core import Engine
-from batchgen.decode.drafts import DraftPolicy, find_draft
+from batchgen.decode.drafts import DraftPolicy, Survival, find_draft
 
 from test_engine import USER_TEXTS, make_job
 from tiny import ARCHS
@@ -52,32 +52,62 @@ def test_find_draft_falls_back_to_shorter_ngrams_and_limits():
 # -- the adaptive policy --------------------------------------------------------
 
 
-def policy(plain_s, verify_s, tokens_per_pass):
+def policy(plain_s, passes: dict, kept: list[int] = (), reached: list[int] = ()) -> DraftPolicy:
+    """A policy that measured a plain token at `plain_s`, verify passes by tokens
+    fed ({fed: seconds}), and the run's survival counts by draft position."""
     p = DraftPolicy()
     p.plain_token_s.add(plain_s)
-    p.verify_pass_s.add(verify_s)
-    p.tokens_per_pass.add(tokens_per_pass)
+    for fed, seconds in passes.items():
+        p.add_pass(fed, seconds)
+    p.survival = Survival(list(reached), list(kept))
     return p
 
 
 def test_policy_verifies_only_when_tokens_per_second_beat_plain():
-    p = policy(plain_s=0.010, verify_s=0.030, tokens_per_pass=2.0)  # 2 tok / 30 ms < 1 / 10 ms
-    assert not p.worth(job_tokens=0, job_passes=0, skipped=1)
-    # a job whose own record is 5 tokens per pass overrides the run's prior
-    assert p.worth(job_tokens=50, job_passes=10, skipped=1)
-    # ...but a few good passes do not yet outweigh the prior
-    assert not p.worth(job_tokens=5, job_passes=1, skipped=1)
-    assert policy(0.010, 0.030, 3.3).worth(0, 0, 1)  # 3.3 / 30 ms > 1.05 / 10 ms
+    # 9 of 10 first draft tokens kept, then half: E(1) = 1.9 tokens a pass
+    run = dict(reached=[10, 9], kept=[9, 4])
+    # a pass costs 3 plain tokens at any length: 1.9 / 30 ms < 1.05 / 10 ms
+    p = policy(0.010, {2: 0.030, 17: 0.030}, **run)
+    assert p.draft_length(Survival(), found=1, skipped=1) == 0
+    # the same pass at 1.5 plain tokens: 1.9 / 15 ms > 1.05 / 10 ms
+    assert policy(0.010, {2: 0.015, 17: 0.015}, **run).draft_length(Survival(), 1, 1) == 1
+    # a job whose own drafts were all kept outweighs the run's record:
+    # E(3) = 1 + .972 + .884 + .810 = 3.67 tokens / 30 ms > 1.05 / 10 ms
+    job = Survival([20, 20, 20], [20, 20, 20])
+    assert p.draft_length(job, found=3, skipped=1) == 3
+
+
+def test_policy_picks_the_draft_length_by_cost():
+    # every token kept 90% of the time; a pass costs by its tokens (a CPU) ...
+    run = dict(reached=[100] * 8, kept=[90] * 8)
+    by_tokens = {2: 0.020, 9: 0.090}  # 10 ms a token fed
+    p = policy(0.012, by_tokens, **run)
+    # E(L) / cost(L+1) is largest at L = 1: 1.89 tokens / 20 ms > 1.05 / 12 ms
+    assert p.draft_length(Survival(), found=8, skipped=1) == 1
+    # ... or the same whatever its length (a GPU): the whole draft
+    flat = policy(0.012, {2: 0.008, 9: 0.008}, **run)
+    assert flat.draft_length(Survival(), found=8, skipped=1) == 8
+    # static shapes: every pass is fed pad_to tokens, so its cost is that length's
+    assert p.draft_length(Survival(), found=8, skipped=1, pad_to=9) == 0
 
 
 def test_policy_explores_and_starts_optimistic():
-    p = policy(plain_s=0.010, verify_s=0.030, tokens_per_pass=1.0)
-    assert not p.worth(0, 0, skipped=63) and p.worth(0, 0, skipped=64)
-    assert DraftPolicy().worth(0, 0, 1)  # nothing measured: try drafting
-    assert DraftPolicy(adaptive=False).worth(0, 0, 1)
+    p = policy(0.010, {2: 0.030}, reached=[10], kept=[0])
+    assert p.draft_length(Survival(), 3, skipped=63) == 0
+    assert p.draft_length(Survival(), 3, skipped=64) == 3
+    assert DraftPolicy().draft_length(Survival(), 3, 1) == 3  # nothing measured: try drafting
+    assert DraftPolicy(adaptive=False).draft_length(Survival(), 3, 1) == 3
     fresh = DraftPolicy()
     fresh.plain_token_s.add(0.01)
-    assert fresh.worth(0, 0, 1)  # no verify cost known yet
+    assert fresh.draft_length(Survival(), 3, 1) == 3  # no verify cost known yet
+
+
+def test_policy_records_job_and_run():
+    p, job = DraftPolicy(), Survival()
+    p.record(job, 4, 2)  # positions 0, 1 kept, 2 rejected, 3 never reached
+    p.record(job, 1, 1)
+    assert (job.reached, job.kept) == ([2, 1, 1], [2, 1, 0])
+    assert p.survival == job
 
 
 def test_best_start_ranks_as_a_plain_scan_does():

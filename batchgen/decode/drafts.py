@@ -147,25 +147,112 @@ class Ema:
 
 
 @dataclass
-class DraftPolicy:
-    """Run-wide measurements that decide whether drafts are worth verifying.
+class Survival:
+    """Per draft position i (0-based): drafts that reached it (every token
+    before it kept) and, of those, the ones whose token there was kept too."""
 
-    All three are realized figures, not a model of them: the seconds a plain
-    token takes (pipelined steps), the seconds a verify pass takes (syncs and
-    mispredicted pipelined passes included), and the tokens a verify pass
-    yields. A job verifies while its expected tokens per pass, per second of
-    a pass, beat plain tokens per second by `margin`. Drafts it skips are
-    scored against what the model then writes, so the job keeps learning
-    what a verify would have yielded and turns drafting back on when it pays.
+    reached: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+
+    def add(self, length: int, accepted: int) -> None:
+        """A draft of `length` tokens whose first `accepted` were kept.
+
+        >>> s = Survival(); s.add(3, 1); s.add(2, 2); (s.reached, s.kept)
+        ([2, 2], [2, 1])
+        """
+        for i in range(min(accepted + 1, length)):
+            if i == len(self.reached):
+                self.reached.append(0)
+                self.kept.append(0)
+            self.reached[i] += 1
+            self.kept[i] += i < accepted
+
+
+def survival_rates(job: Survival, run: Survival, length: int, weight: float) -> list[float]:
+    """P(draft token i kept | tokens before it kept), i < length: the job's own
+    counts with `weight` drafts' worth of the run's rate as their prior, the
+    run's rate Laplace-smoothed (1/2 at a position no draft has reached).
+
+    >>> survival_rates(Survival([4], [4]), Survival([10, 4], [8, 2]), 3, 4.0)
+    [0.875, 0.5, 0.5]
+    """
+
+    def count(xs: list[int], i: int) -> int:
+        return xs[i] if i < len(xs) else 0
+
+    out = []
+    for i in range(length):
+        prior = (count(run.kept, i) + 1) / (count(run.reached, i) + 2)
+        out.append((count(job.kept, i) + weight * prior) / (count(job.reached, i) + weight))
+    return out
+
+
+def expected_tokens(rates: Sequence[float]) -> list[float]:
+    """Tokens a verify pass yields for drafts of 0..len(rates) tokens: the
+    model's own token, plus each draft token times the chance it is reached
+    and kept (the product of the rates up to it).
+
+    >>> expected_tokens([0.9, 0.5])
+    [1.0, 1.9, 2.35]
+    """
+    out, reach = [1.0], 1.0
+    for r in rates:
+        reach *= r
+        out.append(round(out[-1] + reach, 12))
+    return out
+
+
+def pass_cost(measured: dict[int, float], fed: int) -> float:
+    """Seconds of a pass feeding `fed` tokens: straight lines between the
+    lengths measured, the nearest one's cost outside them.
+
+    >>> pass_cost({2: 0.010, 10: 0.050}, 6), pass_cost({2: 0.010, 10: 0.050}, 17)
+    (0.03, 0.05)
+    """
+    xs = sorted(measured)
+    if fed <= xs[0]:
+        return measured[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if fed <= hi:
+            return measured[lo] + (measured[hi] - measured[lo]) * (fed - lo) / (hi - lo)
+    return measured[xs[-1]]
+
+
+def best_length(expected: Sequence[float], costs: Sequence[float]) -> tuple[int, float]:
+    """(draft length L >= 1, tokens per second) maximizing expected[L] / costs[L].
+
+    >>> best_length([1.0, 1.9, 2.35, 2.4], [0.01, 0.011, 0.012, 0.013])
+    (2, 195.83333333333334)
+    """
+    rates = [(expected[n] / costs[n], n) for n in range(1, len(expected))]
+    rate, n = max(rates, key=lambda r: (r[0], -r[1]))
+    return n, rate
+
+
+@dataclass
+class DraftPolicy:
+    """Run-wide measurements that decide whether, and how much of, a draft to verify.
+
+    The rule: verify the first L tokens of the draft found, L chosen to
+    maximize expected tokens per second of a pass, E(L) / cost(L), if that
+    beats plain decoding's 1 / plain_token_s by `margin`; else a plain step.
+    E(L) comes from measured per-position survival (the job's own verifies
+    and scored skipped drafts, with the run's as a prior), cost(L) from
+    measured passes by the number of tokens fed. So a device where a pass
+    costs the same for 2 and 17 tokens (a GPU, static shapes) verifies the
+    whole draft, and one where a pass costs by its tokens (a CPU) a short
+    prefix or nothing. Drafts it skips are still scored against what the
+    model then writes, so the job keeps learning and turns drafting back on
+    when it pays.
     """
 
     plain_token_s: Ema = field(default_factory=Ema)
-    verify_pass_s: Ema = field(default_factory=Ema)
-    tokens_per_pass: Ema = field(default_factory=lambda: Ema(weight=0.05))
-    adaptive: bool = True  # False: verify every draft found
+    pass_s: dict[int, Ema] = field(default_factory=dict)  # tokens fed -> seconds a verify pass took
+    survival: Survival = field(default_factory=Survival)  # run-wide
+    adaptive: bool = True  # False: verify every draft found, whole
     calibrated: bool = False
     margin: float = 1.05
-    job_prior_passes: float = 4.0  # weight of the run's tokens-per-pass in a job's estimate
+    job_prior_drafts: float = 4.0  # weight of the run's survival in a job's estimate
     explore_every: int = 64  # skipped drafts between forced verifies (keeps costs measured)
     # After a skipped draft, plain tokens before the next look (a switch drains the
     # pipeline). 4, 8 and 16 measured the same (bench/RESULTS.md#prompt-lookup);
@@ -174,19 +261,29 @@ class DraftPolicy:
     accepted: int = 0  # draft tokens accepted, run-wide (for the record)
     drafted: int = 0
 
-    def worth(self, job_tokens: float, job_passes: float, skipped: int) -> bool:
-        """Verify the draft at hand? `job_*`: this job's (shadow-)verify record."""
-        if not self.adaptive:
-            return True
-        plain, verify = self.plain_token_s.value, self.verify_pass_s.value
-        prior = self.tokens_per_pass.value
-        if plain is None or verify is None or prior is None:
-            return True  # nothing measured yet: try
-        w = self.job_prior_passes
-        expected = (job_tokens + w * prior) / (job_passes + w)
-        if expected / verify > self.margin / plain:
-            return True
-        return skipped > 0 and skipped % self.explore_every == 0
+    def add_pass(self, fed: int, seconds: float) -> None:
+        self.pass_s.setdefault(fed, Ema()).add(seconds)
+
+    def record(self, job: Survival, length: int, accepted: int) -> None:
+        """A verified (or scored skipped) draft of `length` tokens, `accepted` kept."""
+        job.add(length, accepted)
+        self.survival.add(length, accepted)
+
+    def draft_length(self, job: Survival, found: int, skipped: int, pad_to: int | None = None) -> int:
+        """How many of the `found` draft tokens to verify (0: a plain step).
+        `job`: this job's record; `pad_to`: every pass is fed that many tokens."""
+        if not self.adaptive or found <= 0:
+            return found
+        plain = self.plain_token_s.value
+        if plain is None or not self.pass_s:
+            return found  # nothing measured yet: try
+        measured = {n: e.value for n, e in self.pass_s.items()}
+        costs = [pass_cost(measured, pad_to or n + 1) for n in range(found + 1)]
+        rates = survival_rates(job, self.survival, found, self.job_prior_drafts)
+        n, rate = best_length(expected_tokens(rates), costs)
+        if rate > self.margin / plain:
+            return n
+        return found if skipped > 0 and skipped % self.explore_every == 0 else 0
 
     def calibrate(self, model, cache: list, context: Sequence[int], lengths: list[int], steps: int = 6) -> None:
         """Time plain pipelined steps and verify passes of `lengths` tokens on
@@ -212,5 +309,5 @@ class DraftPolicy:
                 fed = [context[(i - length) % len(context)] for i in range(length)]  # the last `length`, cycled
                 mx.eval(mx.argmax(model(mx.array(fed)[None], cache=scratch), axis=-1))
                 if timed:
-                    self.verify_pass_s.add(time.perf_counter() - start)
+                    self.add_pass(length, time.perf_counter() - start)
         self.calibrated = True

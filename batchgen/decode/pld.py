@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .drafts import DraftPolicy, NgramIndex
+from .drafts import DraftPolicy, NgramIndex, Survival
 from .logprobs import token_logprobs
 from .sampling import pick, target_logits
 
@@ -108,9 +108,8 @@ class PLDDecoder:
         self.prompt_len = prompt_len
         self.recurrent = _split_cache(cache)
         self.shadow: _Shadow | None = None
-        # This job's verify record (shadows included): tokens per pass.
-        self.job_tokens = 0
-        self.job_passes = 0
+        # This job's verify record (shadows included): kept tokens by draft position.
+        self.survival = Survival()
         self.skipped = 0
         self.plain_left = 0  # plain tokens to go before drafts are considered again
         # Queue the next verify pass before reading the current one: greedy
@@ -157,8 +156,9 @@ class PLDDecoder:
         found = self.index.draft(limit)
         if not found:
             return []
-        if self.policy.worth(self.job_tokens, self.job_passes, self.skipped):
-            return found
+        n = self.policy.draft_length(self.survival, len(found), self.skipped, self.pad_to)
+        if n:
+            return found[:n]
         self.skipped += 1
         self.shadow = _Shadow(found)
         # Stay plain for a stretch: a switch costs a pipeline drain and refill,
@@ -166,12 +166,9 @@ class PLDDecoder:
         self.plain_left = self.policy.min_plain_tokens
         return []
 
-    def _record(self, tokens: int, passes: int) -> None:
-        """What verify passes yielded (or would have: shadows)."""
-        self.job_tokens += tokens
-        self.job_passes += passes
-        if passes:
-            self.policy.tokens_per_pass.add(tokens / passes)
+    def _record(self, length: int, accepted: int) -> None:
+        """What a verify pass kept of a draft (or would have: shadows)."""
+        self.policy.record(self.survival, length, accepted)
 
     def _score_shadow(self, token: int) -> None:
         s = self.shadow
@@ -181,7 +178,7 @@ class PLDDecoder:
             s.matched += 1
             if s.matched < len(s.draft):
                 return
-        self._record(s.matched + 1, 1)  # a verify would have kept these + its own token
+        self._record(len(s.draft), s.matched)  # a verify would have kept these
         self.shadow = None
 
     # -- plain steps --------------------------------------------------------
@@ -330,8 +327,8 @@ class PLDDecoder:
         p = self._queue(self.ctx[-1], draft)
         n, bonus = self._resolve(p)
         self._rollback(p.length, n, draft, p.saved)
-        self.policy.verify_pass_s.add(time.perf_counter() - start)
-        self._record(n + 1, 1 + (p.saved is not None and n < len(draft)))  # a replay is a pass too
+        self.policy.add_pass(p.length, time.perf_counter() - start)  # a replay's included
+        self._record(len(draft), n)
         out = draft[:n] + [bonus]
         self._record_pass(p, out)
         if self.picker is not None:
@@ -349,7 +346,7 @@ class PLDDecoder:
         the pass we would have run, and the host sync overlaps it; on a miss
         its cache entries are trimmed and one pass of device time is lost.
         """
-        start, passes = time.perf_counter(), 0
+        start, passes, fed = time.perf_counter(), 0, 0
         cur = self._queue(self.ctx[-1], draft)
         while True:
             nxt, guess = self._speculate(cur)
@@ -357,18 +354,19 @@ class PLDDecoder:
             hit = nxt is not None and n == len(cur.draft) and bonus == guess
             wasted = nxt is not None and not hit
             passes += 1 + wasted
+            fed += cur.length + (nxt.length if wasted else 0)
             extra = cur.length - (n + 1) + (nxt.length if wasted else 0)
             if extra:
                 for c in self.cache:
                     c.trim(extra)
-            self._record(n + 1, 1 + wasted)
+            self._record(len(cur.draft), n)
             out = cur.draft[:n] + [bonus]
             self._record_pass(cur, out)
             self.index.extend(out)
             if not hit:
                 if wasted:
                     mx.eval(nxt.targets)  # its device time belongs to this run
-                self.policy.verify_pass_s.add((time.perf_counter() - start) / passes)
+                self.policy.add_pass(round(fed / passes), (time.perf_counter() - start) / passes)
             for token in out:
                 yield token
             if not hit:
@@ -386,9 +384,10 @@ class PLDDecoder:
         self.index.extend(cur.draft)
         guess = self.index.draft(limit + 1)
         self.index.truncate(before)
-        if len(guess) < 2 or not self.policy.worth(self.job_tokens, self.job_passes, 0):
+        n = self.policy.draft_length(self.survival, len(guess) - 1, 0, self.pad_to)
+        if n < 1:
             return None, None
-        return self._queue(guess[0], guess[1:]), guess[0]
+        return self._queue(guess[0], guess[1 : 1 + n]), guess[0]
 
     def _accept_sampled(self, logits: mx.array, draft: list[int]) -> tuple[int, int]:
         return accept_sampled(logits, draft, self.sampling, self.keys, self.generated)
