@@ -10,7 +10,16 @@ from pathlib import Path
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PLD_NGRAM_SIZE = 3
-DEFAULT_PLD_MAX_LOOKUP = 5
+# The longest draft a verify pass may take; the policy (decode/drafts.py) verifies
+# the prefix that pays. On the H200, one job at a time, always verifying 16 beat 8
+# and 5 on every evaluation model (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on),
+# and still gained from 12 to 16: a longer ceiling is next to measure. On a CPU a
+# pass costs by its tokens and the policy takes short prefixes whatever this is.
+DEFAULT_PLD_MAX_LOOKUP = 16
+# A TurboQuant cache keeps exact copies of the tokens a verify pass may trim,
+# 2 * (lookup + 1) a layer, bytes every job pays: its jobs' drafts stay at 5 tokens
+# (12 exact tokens; at 16, 34 took a 600-token job past 0.30x the fp16 bytes).
+TURBOQUANT_MAX_LOOKUP = 5
 DRAFT_KINDS = ("pld", "none")
 KV_CACHE_KINDS = ("fp16", "turboquant")
 KV_BITS = (2, 3, 4)

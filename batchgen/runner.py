@@ -18,12 +18,12 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import orjson
 
-from .config import RunConfig
+from .config import TURBOQUANT_MAX_LOOKUP, RunConfig
 from .jobs import JobFileError, ScanReport, iter_jobs, scan_jobs
 from .output import (
     OutputClosed,
@@ -358,6 +358,8 @@ def start_summary(cfg: RunConfig, engine) -> RunSummary:
     from .engine.core import device_name
 
     d = engine.config.decode  # as resolved for this device
+    if cfg.engine.kv.kind == "turboquant":  # as a job's plan caps it
+        d = replace(d, pld_max_lookup=min(d.pld_max_lookup, TURBOQUANT_MAX_LOOKUP))
     s = RunSummary(
         load_s=engine.load_s,
         model_memory_gb=engine.model_memory_gb,

@@ -25,7 +25,7 @@ from ..decode import pld
 from ..decode.drafts import DraftPolicy
 from ..kernels.registry import keep_builds
 from ..transforms.attention import route_attention
-from ..config import DEFAULT_MAX_TOKENS, EngineConfig, JobPlan, KVConfig
+from ..config import DEFAULT_MAX_TOKENS, TURBOQUANT_MAX_LOOKUP, EngineConfig, JobPlan, KVConfig
 from ..jobs import BadJob, Job
 from ..cache.pool import (
     PromptPool,
@@ -291,12 +291,14 @@ class Engine:
             pld_max_lookup=d.pld_max_lookup if job.pld_max_lookup is None else job.pld_max_lookup,
         )
         kv = KVConfig(kind=job.kv_cache or k.kind, bits=job.kv_bits or k.bits)
+        if kv.kind == "turboquant":
+            decode = replace(decode, pld_max_lookup=min(decode.pld_max_lookup, TURBOQUANT_MAX_LOOKUP))
         return JobPlan(decode, kv)
 
     def make_cache(self, kv: KVConfig) -> list:
         # TurboQuant: exact trims up to what a pipelined verify can roll back, its
         # own pass and the speculative one behind it.
-        reserve = 2 * (self.config.decode.pld_max_lookup + 1)
+        reserve = 2 * (min(self.config.decode.pld_max_lookup, TURBOQUANT_MAX_LOOKUP) + 1)
         return make_kv_cache(self.model, kv.kind, kv.bits, short_passes=self.short_attention, trim_reserve=reserve)
 
     # -- prewarm ----------------------------------------------------------

@@ -310,8 +310,9 @@ BIT_SPLITS = {4: (5, 3), 3: (4, 2), 2: (2, 2)}
 # single quality gain, bench/RESULTS.md#turboquant-bit-split).
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_WINDOW = 8
-# Trims of up to this many tokens keep the window exact: the engine's default
-# prompt-lookup draft length (config.DEFAULT_PLD_MAX_LOOKUP).
+# Trims of up to this many tokens keep the window exact: a cache made outside the
+# engine; the engine passes 2 * (its pld_max_lookup + 1), a verify pass and the
+# pipelined one behind it (Engine.make_cache).
 DEFAULT_TRIM_RESERVE = 5
 
 
