@@ -338,7 +338,8 @@ def test_entering_jobs_of_unlike_lengths_split_into_passes_where_passes_cost_lit
 
 
 def test_a_pass_costs_fewer_tokens_of_a_larger_model():
-    """`pass_cost_tokens`: PASS_OVERHEAD_S x PROMPT_FLOPS / (2 x parameters)."""
+    """`pass_cost_tokens`: PASS_OVERHEAD_S x PROMPT_FLOPS / (2 x parameters), whatever
+    their dtype or bits."""
     import mlx.nn as nn
 
     from batchgen.engine.entering import PASS_OVERHEAD_S, PROMPT_FLOPS, pass_cost_tokens
@@ -349,10 +350,13 @@ def test_a_pass_costs_fewer_tokens_of_a_larger_model():
             self.layers = [nn.Linear(width, width, bias=False) for _ in range(2)]
 
     small, large = Stack(64), Stack(128)
-    params = lambda m: sum(layer.weight.nbytes for layer in m.layers) / 2  # noqa: E731
-    for m in (small, large):
-        assert pass_cost_tokens(m) == int(PASS_OVERHEAD_S * PROMPT_FLOPS / (2 * params(m)))
+    for m, params in ((small, 2 * 64 * 64), (large, 2 * 128 * 128)):
+        assert pass_cost_tokens(m) == int(PASS_OVERHEAD_S * PROMPT_FLOPS / (2 * params))
     assert pass_cost_tokens(large) * 4 <= pass_cost_tokens(small) + 4
+    # a quantized model counts the parameters it had: its compute is theirs
+    quantized = Stack(128)
+    nn.quantize(quantized, group_size=64, bits=4)
+    assert pass_cost_tokens(quantized) == pass_cost_tokens(large)
 
 
 def test_jobs_sharing_the_prewarmed_prefix_enter_in_one_pass(model_dir, monkeypatch):

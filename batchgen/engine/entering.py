@@ -24,7 +24,6 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from ..cache.fp16 import empty_like
 from ..config import JobPlan
@@ -69,9 +68,11 @@ def pass_cost_tokens(model: nn.Module) -> int:
     """A prompt pass's own cost in tokens of its compute: ~1,100 for the 7B
     shape (rows of very different tails then take passes of their own),
     ~17,000 for the 0.5B (passes as large as their bound allows). Parameters
-    counted as bf16 bytes / 2 (a quantized model's are undercounted: fewer,
-    larger passes)."""
-    params = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 2
+    counted as mlx-lm counts them: a quantized weight's as it was before
+    quantizing (its compute is a dense one's: dequantized from 64 rows on)."""
+    from mlx_lm.utils import get_total_parameters
+
+    params = get_total_parameters(model)
     return int(PASS_OVERHEAD_S * PROMPT_FLOPS / max(2 * params, 1))
 
 
