@@ -11,10 +11,11 @@ from pathlib import Path
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PLD_NGRAM_SIZE = 3
 # The longest draft a verify pass may take; the policy (decode/drafts.py) verifies
-# the prefix that pays. On the H200, one job at a time, always verifying 16 beat 8
-# and 5 on every evaluation model (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on),
-# and still gained from 12 to 16: a longer ceiling is next to measure. On a CPU a
-# pass costs by its tokens and the policy takes short prefixes whatever this is.
+# the prefix that pays. On the H200, one job at a time, always verifying 16 beat 12
+# and 8 on the two evaluation models it was tuned on, and 8 beat 5 and 2 on all four
+# (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on); 12 to 16 still
+# gained, so a longer ceiling is next to measure. On a CPU a pass costs by its
+# tokens and the policy takes short prefixes whatever this is.
 DEFAULT_PLD_MAX_LOOKUP = 16
 # A TurboQuant cache keeps exact copies of the tokens a verify pass may trim,
 # 2 * (lookup + 1) a layer, bytes every job pays: its jobs' drafts stay at 5 tokens
