@@ -281,6 +281,33 @@ def validate(jobs, max_tokens):
     sys.exit(1 if bad else 0)
 
 
+@main.command("warm-up")
+@click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id, as `run` takes it.")
+@click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS + ("both",)), default="both", show_default=True,
+              help="The cache kinds whose paths to build.")
+@click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
+@click.option("--no-fuse", is_flag=True)
+@_DEQUANTIZE_ROWS
+@click.option("--one-at-a-time", is_flag=True, help="Only the one-job path (no batched rows).")
+def warm_up(model, kv_cache, kv_bits, dtype, no_fuse, dequantize_rows, one_at_a_time):
+    """Build the kernels runs of MODEL need, once, and keep them on disk: later
+    processes (a cron schedule's) load them instead of building them. Give the
+    options the runs use (--dtype, --no-fuse, --dequantize-rows): they change
+    which kernels run."""
+    _setup_logging(quiet=True)
+    from .warmup import WarmupError, warm_up as run_warm_up
+
+    engine = EngineConfig(model=model or str(DEMO_MODEL_DIR), fuse=not no_fuse, dtype=dtype,
+                          dequantize_rows=dequantize_rows, kv=KVConfig(bits=int(kv_bits)))  # fmt: skip
+    kinds = KV_CACHE_KINDS if kv_cache == "both" else (kv_cache,)
+    try:
+        report = run_warm_up(engine, kinds, batched=not one_at_a_time)
+    except WarmupError as e:
+        _fail(str(e))
+    click.echo(f"batchgen: {report.line()}", err=True)
+
+
 @main.command()
 @click.argument("output", type=str)
 @click.option("--summary", "summary_path", type=click.Path(path_type=Path), default=None, help="The run's --summary JSON.")

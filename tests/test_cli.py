@@ -304,3 +304,21 @@ def test_summary_reports_the_batch_and_overall_throughput(tmp_path, model):
         # completion tokens over the wall time, up to the JSON's rounding (wall_s to 1 ms, tps to 0.01)
         c, wall = s["tokens"]["completion"], s["wall_s"]
         assert c / (wall + 5e-4) - 5e-3 <= s["throughput_tps"] <= c / (wall - 5e-4) + 5e-3
+
+
+def test_warm_up_runs_each_path_and_says_so_in_one_line(model):
+    import re
+
+    r = invoke("warm-up", "--model", model, "--dtype", "float32", "--kv-cache", "fp16")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1
+    pattern = (rf"batchgen: warm-up: {re.escape(model)} on cpu.*: loaded in \d+\.\d s; "
+               r"fp16 one at a time 3 jobs \d+\.\d s, fp16 8 rows 8 jobs \d+\.\d s; no kernel builds to keep on this device")  # fmt: skip
+    assert re.fullmatch(pattern, lines[0]), lines[0]
+    r = invoke("warm-up", "--model", model, "--dtype", "float32", "--one-at-a-time")
+    assert r.exit_code == 0, r.stderr
+    assert "fp16 one at a time 3 jobs" in r.stderr and "turboquant one at a time 3 jobs" in r.stderr
+    assert "rows" not in r.stderr
+    r = invoke("warm-up", "--model", str(Path(model) / "missing"))
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
