@@ -143,7 +143,12 @@ class PLDDecoder:
                     yield t
 
     def _verify_lengths(self) -> list[int]:
-        return [self.pad_to] if self.pad_to else sorted({2, self.max_lookup + 1})
+        """Pass lengths calibration times: the one static length, or a spread
+        (a pass's cost need not be a straight line in its tokens, and the short
+        drafts a CPU verifies get points of their own, not an interpolation)."""
+        if self.pad_to:
+            return [self.pad_to]
+        return sorted({n for n in (2, 3, 5, 9, self.max_lookup + 1) if n <= self.max_lookup + 1})
 
     # -- choosing ---------------------------------------------------------
 
