@@ -261,8 +261,20 @@ class DraftPolicy:
     accepted: int = 0  # draft tokens accepted, run-wide (for the record)
     drafted: int = 0
 
+    _costs: dict = field(default_factory=dict, repr=False)  # (pad_to, found) -> costs by length
+
     def add_pass(self, fed: int, seconds: float) -> None:
         self.pass_s.setdefault(fed, Ema()).add(seconds)
+        self._costs.clear()
+
+    def _pass_costs(self, found: int, pad_to: int | None) -> list[float]:
+        """cost(L) for L = 0..found (a decision per plain token reads these;
+        they change only when a pass is timed)."""
+        key = (pad_to, found)
+        if key not in self._costs:
+            measured = {n: e.value for n, e in self.pass_s.items()}
+            self._costs[key] = [pass_cost(measured, pad_to or n + 1) for n in range(found + 1)]
+        return self._costs[key]
 
     def record(self, job: Survival, length: int, accepted: int) -> None:
         """A verified (or scored skipped) draft of `length` tokens, `accepted` kept."""
@@ -277,10 +289,8 @@ class DraftPolicy:
         plain = self.plain_token_s.value
         if plain is None or not self.pass_s:
             return found  # nothing measured yet: try
-        measured = {n: e.value for n, e in self.pass_s.items()}
-        costs = [pass_cost(measured, pad_to or n + 1) for n in range(found + 1)]
         rates = survival_rates(job, self.survival, found, self.job_prior_drafts)
-        n, rate = best_length(expected_tokens(rates), costs)
+        n, rate = best_length(expected_tokens(rates), self._pass_costs(found, pad_to))
         if rate > self.margin / plain:
             return n
         return found if skipped > 0 and skipped % self.explore_every == 0 else 0
