@@ -438,7 +438,9 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
     rows (a run cut short keeps the sizes it finished)."""
     from mlx_lm.generate import batch_generate
 
+    start = time.perf_counter()
     plain_model, tokenizer, engine, config = load_pair(cfg)
+    log(f"loaded both sides in {time.perf_counter() - start:.1f} s")  # a run cut short still says where it was
     base, _ = bench_jobs(cfg, tokenizer)
     jobs = repeat_jobs(base, n_jobs)
     prompts = [engine.prompt_tokens(j) for j in jobs]
@@ -469,9 +471,13 @@ def run_throughput(cfg: BenchConfig, batch_sizes: list, n_jobs: int, sequential_
         b = resolved_rows(engine, size, len(jobs))
         n = len(jobs) if b > 1 else min(sequential_jobs, len(jobs))
         kinds = drafts or [cfg.engine.decode.draft]
+        start = time.perf_counter()
         plain(b, min(b, n))  # warm-up at this batch size, both sides
+        log(f"batch {b:3d}: batch_generate warm-up ({min(b, n)} jobs) {time.perf_counter() - start:.1f} s")
         for draft in kinds:
+            start = time.perf_counter()
             ours(b, jobs[: min(b, n)], draft)
+            log(f"batch {b:3d}: batchgen warm-up ({min(b, n)} jobs, {draft}) {time.perf_counter() - start:.1f} s")
         sides = {"batch_generate": lambda: plain(b, n), **{d: (lambda d=d: ours(b, jobs[:n], d)) for d in kinds}}
         runs = runs_in_turn(repeats, sides)
         plain_tps = [tokens / wall for wall, _, tokens, _ in runs["batch_generate"]]

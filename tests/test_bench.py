@@ -79,6 +79,14 @@ def test_bench_random_shape_and_throughput(tmp_path, model):
     rows = json.loads(out.read_text())["rows"]
     assert [row["batch_size"] for row in rows] == [1, 2, 4]  # auto: as many rows as jobs fit
     assert rows[2]["requested"] == "auto"
+    # each stage says when it ends, so a run cut short still shows where its time went
+    import re
+
+    said = r.stderr.splitlines()[:5]
+    expected = [r"loaded both sides in \d+\.\d s", r"batch   1: batch_generate warm-up \(1 jobs\) \d+\.\d s",
+                r"batch   1: batchgen warm-up \(1 jobs, pld\) \d+\.\d s", r"batch   1 \(4 jobs\): batch_generate .*",
+                r"batch   2: batch_generate warm-up \(2 jobs\) \d+\.\d s"]  # fmt: skip
+    assert all(re.fullmatch(e, line) for e, line in zip(expected, said)) and len(said) == 5, r.stderr
     assert rows[1]["jobs"] == 4 and rows[1]["batchgen"]["completion_tokens"] > 0
     assert rows[1]["batchgen_over_batchgen_sequential"] > 0
     # each run starts from an empty pool: the same jobs, the same cached tokens, but for
