@@ -144,7 +144,7 @@ def main():
 @click.option("--model", envvar="BATCHGEN_MODEL", default=None, help="Model path or hub id (env BATCHGEN_MODEL; default: the bundled demo model).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True, help="For jobs without max_tokens.")
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="For jobs without a seed.")
-@click.option("--draft", type=click.Choice(DRAFT_KINDS + ("auto",)), default="auto", show_default=True, help="Prompt-lookup drafting or plain decoding; auto: pld, whose policy verifies only drafts that pay on this device.")
+@click.option("--draft", type=click.Choice(DRAFT_KINDS + ("auto",)), default="auto", show_default=True, help="Prompt-lookup drafting or plain decoding; auto: pld, whose policy verifies only the part of a draft that pays on this device.")
 @click.option("--pld-ngram-size", type=click.IntRange(min=1), default=DEFAULT_PLD_NGRAM_SIZE, show_default=True)
 @click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True, help="Most draft tokens per verify pass.")
 @click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None, help="Pad verify passes to a fixed length (default: on a GPU).")

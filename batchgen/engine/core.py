@@ -153,7 +153,7 @@ def short_attention_wanted(setting: bool | None) -> bool:
 
 def default_draft() -> str:
     """Prompt lookup on every device: its policy times this device's plain steps and
-    verify passes and verifies only the drafts that pay, so it is a gain where drafts
+    verify passes and verifies only the part of a draft that pays, so it is a gain where drafts
     are accepted and close to plain decoding where they are not
     (bench/RESULTS.md#prompt-lookup). A device or model where PLD measured a loss
     would make "none" the default there."""
