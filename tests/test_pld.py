@@ -200,6 +200,38 @@ def test_pld_on_a_repeating_model_accepts_and_cuts_passes(model_dir, pipeline):
     assert fast.stats.forward_passes <= 12 < plain.stats.forward_passes
 
 
+class PrefixPolicy(DraftPolicy):
+    """Verifies at most `most` tokens of every draft (0: none), as the adaptive
+    policy does where short prefixes pay."""
+
+    def __init__(self, most: int):
+        super().__init__(calibrated=True)
+        self.most = most
+
+    def draft_length(self, job, found, skipped, pad_to=None):
+        return min(found, self.most)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("static", [False, True])
+def test_pld_verifies_the_prefix_the_policy_picks(model_dir, pipeline, static):
+    engine = pld_engine(model_dir("qwen2", repeater=True), static=static, adaptive=True, pipeline=pipeline)
+    plain = engine.run(make_job("hello hello", max_tokens=40, draft="none"))
+    for most in (0, 1, 2):
+        engine.draft_policy = PrefixPolicy(most)
+        fast = engine.run(make_job("hello hello", max_tokens=40, draft="pld"))
+        assert fast.text == plain.text and fast.usage.completion_tokens == 40
+        # every verify pass took at most `most` draft tokens, all kept on this model:
+        # each pass yields most + 1 tokens where plain steps yield 1
+        assert fast.stats.pld_accepted == fast.stats.pld_drafted
+        verify_passes = fast.stats.pld_drafted // most if most else 0
+        assert fast.stats.pld_drafted <= most * fast.stats.forward_passes
+        if most:
+            assert verify_passes >= 10 and fast.stats.forward_passes < plain.stats.forward_passes
+        else:
+            assert fast.stats.pld_drafted == 0
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 7, 13, 26])
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_max_tokens_inside_an_accepted_draft(model_dir, max_tokens, pipeline):
