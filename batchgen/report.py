@@ -370,7 +370,7 @@ def _numbers(lines: OutputLines, summary: dict | None) -> str:
         if summary is not None:
             cells.append(_cell(from_summary, f"summary-{key}"))
         body.append("<tr>" + "".join(cells) + "</tr>")
-    table = (f"<table id=\"numbers\"><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head)
+    table = ("<table id=\"numbers\"><thead><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head)
              + "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")  # fmt: skip
     notes = []
     if summary is not None and sj.get("skipped"):
