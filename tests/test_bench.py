@@ -2,6 +2,7 @@
 output (not its speed)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -245,3 +246,20 @@ def test_bench_features_writes_each_figure(tmp_path, model):
     assert s["n"]["completion_tokens"] == s["separate"]["completion_tokens"]
     assert s["samples_identical_to_separate_jobs"] == 6
     assert s["n"]["prefill_tokens"] <= s["separate"]["prefill_tokens"]
+
+
+def test_first_line_times_whole_run_processes(tmp_path, model):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("first_line", Path(__file__).resolve().parents[1] / "bench" / "first_line.py")
+    first_line = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(first_line)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(2))
+    out = tmp_path / "fl.json"
+    rows = first_line.main([str(jobs), "--runs", "1", "--out", str(out), "--", "--model", model, "--dtype", "float32"])
+    (row,) = rows
+    assert row["exit_code"] == 0, row
+    assert row["jobs"]["ok"] == 2 and row["completion_tokens"] == 12  # the file's default max_tokens, 6
+    assert 0 < row["load_s"] < row["first_line_s"] <= row["total_s"]
+    assert row["first_line_less_load_s"] == round(row["first_line_s"] - row["load_s"], 3)
+    assert json.loads(out.read_text())["runs"] == rows
