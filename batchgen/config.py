@@ -75,8 +75,9 @@ class DecodeConfig:
     # Verify a draft only where the measured acceptance and pass costs say it
     # pays; off: verify every draft found (parity tests, ablations).
     pld_adaptive: bool = True
-    # Queue the next verify pass before the current one is read back (greedy).
-    pld_pipeline: bool = True
+    # Queue the next verify pass before the current one is read back (greedy;
+    # None: on where the device is a GPU).
+    pld_pipeline: bool | None = None
 
 
 @dataclass(frozen=True)

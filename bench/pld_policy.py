@@ -1,7 +1,7 @@
 """Prompt lookup's adaptive policy against fixed settings, one job at a time.
 
     python bench/pld_policy.py --model DIR [--jobs N] [--every K] [--dtype float32]
-        [--lookups 2,3,5,8] [--out F]
+        [--lookups 2,3,5,8] [--pipelines on,off] [--out F]
 
 Settings, each with its own run-wide DraftPolicy (what it measured stays its own):
 `none` (plain decoding through the engine), `adaptive` (the default: pld, the policy
@@ -38,11 +38,20 @@ from batchgen.engine.core import Engine, cast_floats, device_name, load_model  #
 from batchgen.jobs import Job, iter_jobs, scan_jobs  # noqa: E402
 
 
-def settings(lookups: list[int], default_lookup: int) -> dict:
-    """name -> (job overrides, adaptive)."""
-    out = {"none": ({"draft": "none"}, True), "adaptive": ({"draft": "pld", "pld_max_lookup": default_lookup}, True)}
+def settings(lookups: list[int], default_lookup: int, pipelines: list[bool | None] = (None,)) -> dict:
+    """name -> (job overrides, adaptive, verify pipeline: None for the engine's choice).
+
+    >>> list(settings([2], 16, [True, False]))
+    ['none', 'adaptive/pipe-on', 'adaptive/pipe-off', 'always-2/pipe-on', 'always-2/pipe-off']
+    """
+    drafting = {"adaptive": ({"draft": "pld", "pld_max_lookup": default_lookup}, True)}
     for n in lookups:
-        out[f"always-{n}"] = ({"draft": "pld", "pld_max_lookup": n}, False)
+        drafting[f"always-{n}"] = ({"draft": "pld", "pld_max_lookup": n}, False)
+    out = {"none": ({"draft": "none"}, True, None)}
+    for name, (overrides, adaptive) in drafting.items():
+        for pipe in pipelines:
+            label = name if pipe is None else f"{name}/pipe-{'on' if pipe else 'off'}"
+            out[label] = (overrides, adaptive, pipe)
     return out
 
 
@@ -73,14 +82,15 @@ def summarize(runs: dict) -> dict:
             "completion_tokens": gen,
         }
     base = out["none"]["decode_tps"]
-    fixed = {k: v["decode_tps"] for k, v in out.items() if k != "adaptive"}
+    fixed = {k: v["decode_tps"] for k, v in out.items() if not k.startswith("adaptive")}
     best = max(fixed, key=fixed.get)
-    ours = out["adaptive"]["decode_tps"]
-    out["_verdict"] = {
-        "adaptive_over_none": round(ours / base, 4) if base else None,
-        "best_fixed": best,
-        "adaptive_over_best_fixed": round(ours / fixed[best], 4) if fixed[best] else None,
-    }
+    verdict = {"best_fixed": best}
+    for name in [k for k in out if k.startswith("adaptive")]:  # "adaptive", or one per pipeline setting
+        ours = out[name]["decode_tps"]
+        suffix = name[len("adaptive"):]
+        verdict[f"adaptive{suffix}_over_none"] = round(ours / base, 4) if base else None
+        verdict[f"adaptive{suffix}_over_best_fixed"] = round(ours / fixed[best], 4) if fixed[best] else None
+    out["_verdict"] = verdict
     return out
 
 
@@ -93,6 +103,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     ap.add_argument("--lookups", default="2,3,5,8")
+    ap.add_argument("--pipelines", default="", help="on,off: every drafting setting with its verify passes "
+                    "queued ahead (on) and not (off), in turn; default: the engine's choice for this device")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -105,8 +117,10 @@ def main() -> None:
     jobs, system = load_jobs(args.jobs_file, args.jobs, args.every, args.max_tokens)
     if system and engine.pool is not None:
         engine.prewarm(system, "bench")
-    plans = settings([int(x) for x in args.lookups.split(",") if x], cfg.decode.pld_max_lookup)
-    policies = {name: DraftPolicy(adaptive=adaptive) for name, (_, adaptive) in plans.items()}
+    pipelines = [{"on": True, "off": False}[x] for x in args.pipelines.split(",") if x] or [None]
+    plans = settings([int(x) for x in args.lookups.split(",") if x], cfg.decode.pld_max_lookup, pipelines)
+    policies = {name: DraftPolicy(adaptive=adaptive) for name, (_, adaptive, _) in plans.items()}
+    default_pipeline = engine.verify_pipeline
     runs = {name: [] for name in plans}
     texts = {name: [] for name in plans}
     start = time.time()
@@ -115,7 +129,9 @@ def main() -> None:
         names = names[i % len(names):] + names[: i % len(names)]
         for name in names:
             engine.draft_policy = policies[name]
-            r = run_batchgen(engine, replace(job, **plans[name][0]))
+            overrides, _, pipe = plans[name]
+            engine.verify_pipeline = default_pipeline if pipe is None else pipe
+            r = run_batchgen(engine, replace(job, **overrides))
             if i > 0:  # job 0 warms up every setting
                 runs[name].append(r)
                 texts[name].append(r.text)

@@ -229,6 +229,12 @@ class Engine:
         self.agree = lambda value: value
         static = config.decode.pld_static_shapes
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
+        # A queued speculative verify pass that misses costs its whole compute where
+        # the device is the CPU itself; on a GPU it hides the read-back. CPU, float32:
+        # the policy 5-17% faster without it on three evaluation models of four, level
+        # on the fourth (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on).
+        pipe = config.decode.pld_pipeline
+        self.verify_pipeline = mx.default_device().type == mx.gpu if pipe is None else pipe
         pad = config.pad_prompts
         self.pad_prompts = mx.default_device().type == mx.gpu if pad is None else pad
         self._grammars = None  # `grammar.Grammars`, made at the first job with a schema
@@ -289,6 +295,7 @@ class Engine:
             draft=job.draft or d.draft,
             pld_ngram_size=job.pld_ngram_size or d.pld_ngram_size,
             pld_max_lookup=d.pld_max_lookup if job.pld_max_lookup is None else job.pld_max_lookup,
+            pld_pipeline=self.verify_pipeline,
         )
         kv = KVConfig(kind=job.kv_cache or k.kind, bits=job.kv_bits or k.bits)
         if kv.kind == "turboquant":
