@@ -18,9 +18,18 @@ DEFAULT_PLD_NGRAM_SIZE = 3
 # tokens and the policy takes short prefixes whatever this is.
 DEFAULT_PLD_MAX_LOOKUP = 16
 # A TurboQuant cache keeps exact copies of the tokens a verify pass may trim,
-# 2 * (lookup + 1) a layer, bytes every job pays: its jobs' drafts stay at 5 tokens
-# (12 exact tokens; at 16, 34 took a 600-token job past 0.30x the fp16 bytes).
+# 2 * (lookup + 1) a layer, bytes every job pays: its jobs' drafts stay short
+# (at 16 a 600-token job passed the 0.30x of the fp16 bytes tests/test_compose.py holds it to).
 TURBOQUANT_MAX_LOOKUP = 5
+
+
+def pld_lookup(kv_kind: str, lookup: int) -> int:
+    """The longest draft a job with a `kv_kind` cache verifies.
+
+    >>> pld_lookup("fp16", 16), pld_lookup("turboquant", 16), pld_lookup("turboquant", 3)
+    (16, 5, 3)
+    """
+    return min(lookup, TURBOQUANT_MAX_LOOKUP) if kv_kind == "turboquant" else lookup
 DRAFT_KINDS = ("pld", "none")
 KV_CACHE_KINDS = ("fp16", "turboquant")
 KV_BITS = (2, 3, 4)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import orjson
 
-from .config import TURBOQUANT_MAX_LOOKUP, RunConfig
+from .config import RunConfig, pld_lookup
 from .jobs import JobFileError, ScanReport, iter_jobs, scan_jobs
 from .output import (
     OutputClosed,
@@ -358,8 +358,7 @@ def start_summary(cfg: RunConfig, engine) -> RunSummary:
     from .engine.core import device_name
 
     d = engine.config.decode  # as resolved for this device
-    if cfg.engine.kv.kind == "turboquant":  # as a job's plan caps it
-        d = replace(d, pld_max_lookup=min(d.pld_max_lookup, TURBOQUANT_MAX_LOOKUP))
+    d = replace(d, pld_max_lookup=pld_lookup(cfg.engine.kv.kind, d.pld_max_lookup))  # as a job's plan caps it
     s = RunSummary(
         load_s=engine.load_s,
         model_memory_gb=engine.model_memory_gb,

@@ -25,7 +25,7 @@ from ..decode import pld
 from ..decode.drafts import DraftPolicy
 from ..kernels.registry import keep_builds
 from ..transforms.attention import route_attention
-from ..config import DEFAULT_MAX_TOKENS, TURBOQUANT_MAX_LOOKUP, EngineConfig, JobPlan, KVConfig
+from ..config import DEFAULT_MAX_TOKENS, EngineConfig, JobPlan, KVConfig, pld_lookup
 from ..jobs import BadJob, Job
 from ..cache.pool import (
     PromptPool,
@@ -230,9 +230,8 @@ class Engine:
         static = config.decode.pld_static_shapes
         self.static_verify_shapes = mx.default_device().type == mx.gpu if static is None else static
         # A queued speculative verify pass that misses costs its whole compute where
-        # the device is the CPU itself; on a GPU it hides the read-back. CPU, float32:
-        # the policy 5-17% faster without it on three evaluation models of four, level
-        # on the fourth (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on).
+        # the device is the CPU itself; on a GPU it hides the read-back. The CPU's
+        # figures: bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on.
         pipe = config.decode.pld_pipeline
         self.verify_pipeline = mx.default_device().type == mx.gpu if pipe is None else pipe
         pad = config.pad_prompts
@@ -298,14 +297,13 @@ class Engine:
             pld_pipeline=self.verify_pipeline,
         )
         kv = KVConfig(kind=job.kv_cache or k.kind, bits=job.kv_bits or k.bits)
-        if kv.kind == "turboquant":
-            decode = replace(decode, pld_max_lookup=min(decode.pld_max_lookup, TURBOQUANT_MAX_LOOKUP))
+        decode = replace(decode, pld_max_lookup=pld_lookup(kv.kind, decode.pld_max_lookup))
         return JobPlan(decode, kv)
 
     def make_cache(self, kv: KVConfig) -> list:
         # TurboQuant: exact trims up to what a pipelined verify can roll back, its
         # own pass and the speculative one behind it.
-        reserve = 2 * (min(self.config.decode.pld_max_lookup, TURBOQUANT_MAX_LOOKUP) + 1)
+        reserve = 2 * (pld_lookup("turboquant", self.config.decode.pld_max_lookup) + 1)
         return make_kv_cache(self.model, kv.kind, kv.bits, short_passes=self.short_attention, trim_reserve=reserve)
 
     # -- prewarm ----------------------------------------------------------
