@@ -1,7 +1,7 @@
 """Prompt lookup's adaptive policy against fixed settings, one job at a time.
 
     python bench/pld_policy.py --model DIR [--jobs N] [--every K] [--dtype float32]
-        [--lookups 2,3,5,8] [--pipelines on,off] [--out F]
+        [--lookups 2,3,5,8] [--adaptive-lookups 16,32] [--pipelines on,off] [--out F]
 
 Settings, each with its own run-wide DraftPolicy (what it measured stays its own):
 `none` (plain decoding through the engine), `adaptive` (the default: pld, the policy
@@ -38,13 +38,20 @@ from batchgen.engine.core import Engine, cast_floats, device_name, load_model  #
 from batchgen.jobs import Job, iter_jobs, scan_jobs  # noqa: E402
 
 
-def settings(lookups: list[int], default_lookup: int, pipelines: list[bool | None] = (None,)) -> dict:
+def settings(lookups: list[int], default_lookup: int, pipelines: list[bool | None] = (None,),
+             adaptive_lookups: list[int] = ()) -> dict:
     """name -> (job overrides, adaptive, verify pipeline: None for the engine's choice).
+    `adaptive` is the policy at the default ceiling, `adaptive-N` at a ceiling of N.
 
     >>> list(settings([2], 16, [True, False]))
     ['none', 'adaptive/pipe-on', 'adaptive/pipe-off', 'always-2/pipe-on', 'always-2/pipe-off']
+    >>> list(settings([8], 16, adaptive_lookups=[16, 24]))
+    ['none', 'adaptive', 'adaptive-24', 'always-8']
     """
     drafting = {"adaptive": ({"draft": "pld", "pld_max_lookup": default_lookup}, True)}
+    for n in adaptive_lookups:
+        if n != default_lookup:
+            drafting[f"adaptive-{n}"] = ({"draft": "pld", "pld_max_lookup": n}, True)
     for n in lookups:
         drafting[f"always-{n}"] = ({"draft": "pld", "pld_max_lookup": n}, False)
     out = {"none": ({"draft": "none"}, True, None)}
@@ -103,6 +110,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     ap.add_argument("--lookups", default="2,3,5,8")
+    ap.add_argument("--adaptive-lookups", default="", help="the policy also at these ceilings (adaptive-N)")
     ap.add_argument("--pipelines", default="", help="on,off: every drafting setting with its verify passes "
                     "queued ahead (on) and not (off), in turn; default: the engine's choice for this device")
     ap.add_argument("--out", type=Path, default=None)
@@ -118,7 +126,8 @@ def main() -> None:
     if system and engine.pool is not None:
         engine.prewarm(system, "bench")
     pipelines = [{"on": True, "off": False}[x] for x in args.pipelines.split(",") if x] or [None]
-    plans = settings([int(x) for x in args.lookups.split(",") if x], cfg.decode.pld_max_lookup, pipelines)
+    plans = settings([int(x) for x in args.lookups.split(",") if x], cfg.decode.pld_max_lookup, pipelines,
+                     [int(x) for x in args.adaptive_lookups.split(",") if x])
     policies = {name: DraftPolicy(adaptive=adaptive) for name, (_, adaptive, _) in plans.items()}
     default_pipeline = engine.verify_pipeline
     runs = {name: [] for name in plans}
