@@ -11,12 +11,15 @@ from pathlib import Path
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PLD_NGRAM_SIZE = 3
 # The longest draft a verify pass may take; the policy (decode/drafts.py) verifies
-# the prefix that pays. On the H200, one job at a time, always verifying 16 beat 12
-# and 8 on the two evaluation models it was tuned on, and 8 beat 5 and 2 on all four
-# (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on); 12 to 16 still
-# gained, so a longer ceiling is next to measure. On a CPU a pass costs by its
-# tokens and the policy takes short prefixes whatever this is.
-DEFAULT_PLD_MAX_LOOKUP = 16
+# the prefix that pays. On the H200, one job at a time, a GPU pass costs about the
+# same at any of these lengths, so the policy takes whole drafts and the ceiling
+# decides: at 32 it ran at 0.89-1.01 of the best fixed setting on the models it was
+# tuned on and 0.98-1.10 on the two it was not, at 16 at 0.80-0.93
+# (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on). On a CPU a pass
+# costs by its tokens and the policy takes short prefixes whatever this is. A model
+# whose verify pass grows with its length on the GPU (a large one, many rows) would
+# want the policy to choose there too; it does, from the passes it times.
+DEFAULT_PLD_MAX_LOOKUP = 32
 # A TurboQuant cache keeps exact copies of the tokens a verify pass may trim,
 # 2 * (lookup + 1) a layer, bytes every job pays: its jobs' drafts stay short
 # (at 16 a 600-token job passed the 0.30x of the fp16 bytes tests/test_compose.py holds it to).
