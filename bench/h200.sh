@@ -78,9 +78,12 @@ stage_features() {
     wheel=$(ls .gpu/llguidance-*.whl 2>/dev/null | head -n 1)
     [[ -n $wheel ]] && python3 -m zipfile -e "$wheel" /tmp/site
   fi
-  step features05 540 python3 -m batchgen bench jobs/freeform.jsonl --shape qwen2.5-0.5b --features \
-    --throughput 32,auto --jobs-total 256 --max-tokens 128 --samples 64x8x1536 --throughput-repeats 3 \
-    --out "$R/features05.json"
+  local s
+  for s in $(sides); do  # FEATURES_ARGS, e.g. "--samples 8x2x64 --throughput-repeats 3" for a short A/B
+    step "features05_$s" "${FEATURES_S:-540}" $(side "$s") python3 -m batchgen bench jobs/freeform.jsonl \
+      --shape qwen2.5-0.5b --features --throughput 32,auto --jobs-total 256 --max-tokens 128 \
+      ${FEATURES_ARGS:---samples 64x8x1536 --throughput-repeats 3} --out "$R/features05_$s.json"
+  done
 }
 
 for s in "$@"; do "stage_$s" || break; done  # a stage that fails its check ends the call
