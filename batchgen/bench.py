@@ -327,7 +327,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         "jobs_file": str(cfg.jobs_path) if cfg.jobs_path else f"synthetic {cfg.synthetic_prompt_tokens}-token prompts",
         "batchgen": {"fuse": e.fuse, "draft": e.decode.draft, "kv_cache": e.kv.kind, "kv_bits": e.kv.bits,
                      "prompt_cache": e.prompt_cache.enabled, "prewarm": e.prompt_cache.prewarm,
-                     "pld_ngram_size": e.decode.pld_ngram_size, "pld_max_lookup": e.decode.pld_max_lookup,
+                     "pld_ngram_size": e.decode.pld_ngram_size, "pld_max_lookup": engine.config.decode.pld_max_lookup,
                      "static_verify_shapes": engine.static_verify_shapes, "pld_policy": dict(cfg.pld_policy),
                      "fusion": engine.fusion_report.as_dict() if engine.fusion_report else None,
                      "quantized": engine.quantized_report.as_dict() if engine.quantized_report else None},  # fmt: skip

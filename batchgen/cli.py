@@ -26,6 +26,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from . import __version__  # noqa: E402
 from .config import (  # noqa: E402
+    CPU_PLD_MAX_LOOKUP,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PLD_MAX_LOOKUP,
     DEFAULT_PLD_NGRAM_SIZE,
@@ -146,7 +147,8 @@ def main():
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="For jobs without a seed.")
 @click.option("--draft", type=click.Choice(DRAFT_KINDS + ("auto",)), default="auto", show_default=True, help="Prompt-lookup drafting or plain decoding; auto: pld, whose policy verifies only the part of a draft that pays on this device.")
 @click.option("--pld-ngram-size", type=click.IntRange(min=1), default=DEFAULT_PLD_NGRAM_SIZE, show_default=True)
-@click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True, help="Most draft tokens per verify pass.")
+@click.option("--pld-max-lookup", type=click.IntRange(min=0), default=None,
+              help=f"Most draft tokens per verify pass.  [default: {DEFAULT_PLD_MAX_LOOKUP} on a GPU, {CPU_PLD_MAX_LOOKUP} on a CPU]")
 @click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None, help="Pad verify passes to a fixed length (default: on a GPU).")
 @click.option("--kv-cache", type=click.Choice(KV_CACHE_KINDS), default="fp16", show_default=True, help="fp16 = uncompressed, in the model's dtype.")
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True, help="TurboQuant bits per coordinate.")
@@ -343,7 +345,8 @@ def report(output, summary_path, report_path, by):
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Override every job's max_tokens.")
 @click.option("--draft", type=click.Choice(DRAFT_KINDS), default="pld", show_default=True)
 @click.option("--pld-ngram-size", type=click.IntRange(min=1), default=DEFAULT_PLD_NGRAM_SIZE, show_default=True)
-@click.option("--pld-max-lookup", type=click.IntRange(min=0), default=DEFAULT_PLD_MAX_LOOKUP, show_default=True)
+@click.option("--pld-max-lookup", type=click.IntRange(min=0), default=None,
+              help=f"[default: {DEFAULT_PLD_MAX_LOOKUP} on a GPU, {CPU_PLD_MAX_LOOKUP} on a CPU]")
 @click.option("--pld-static-shapes/--pld-dynamic-shapes", default=None)
 @click.option("--pld-always", is_flag=True, help="Verify every draft (no adaptive policy).")
 @click.option("--pld-policy", default=None, help="Draft-policy settings to try, e.g. min_plain_tokens=4,margin=1.0.")

@@ -10,16 +10,17 @@ from pathlib import Path
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PLD_NGRAM_SIZE = 3
-# The longest draft a verify pass may take; the policy (decode/drafts.py) verifies
-# the prefix that pays. On the H200, one job at a time, a GPU pass costs about the
-# same at any of these lengths, so the policy takes whole drafts and the ceiling
-# decides: at 32 it ran at 0.89-1.01 of the best fixed setting on the models it was
-# tuned on and 0.98-1.10 on the two it was not, at 16 at 0.80-0.93
-# (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on). On a CPU a pass
-# costs by its tokens and the policy takes short prefixes whatever this is. A model
-# whose verify pass grows with its length on the GPU (a large one, many rows) would
-# want the policy to choose there too; it does, from the passes it times.
-DEFAULT_PLD_MAX_LOOKUP = 32
+# The longest draft a verify pass may take, by device (`DecodeConfig.pld_max_lookup`
+# None); the policy (decode/drafts.py) verifies the prefix that pays. On the H200, one
+# job at a time, a GPU pass costs about the same at any of these lengths, so the policy
+# takes whole drafts and the ceiling decides: at 32 it ran at 0.89-1.01 of the best
+# fixed setting on the models it was tuned on and 0.98-1.10 on the two it was not, at 16
+# at 0.80-0.93. On a CPU a pass costs by its tokens and the policy verifies short
+# prefixes: there 32 ran at 0.93-1.02 of 16 (mean 0.97, noise of this size), so the CPU
+# keeps 16 (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on). A GPU where a
+# long pass costs more (a large model) needs no other ceiling: the policy times it.
+DEFAULT_PLD_MAX_LOOKUP = 32  # where the device is a GPU
+CPU_PLD_MAX_LOOKUP = 16
 # A TurboQuant cache keeps exact copies of the tokens a verify pass may trim,
 # 2 * (lookup + 1) a layer, bytes every job pays: its jobs' drafts stay short
 # (at 16 a 600-token job passed the 0.30x of the fp16 bytes tests/test_compose.py holds it to).
@@ -81,7 +82,7 @@ class DecodeConfig:
 
     draft: str = "pld"
     pld_ngram_size: int = DEFAULT_PLD_NGRAM_SIZE
-    pld_max_lookup: int = DEFAULT_PLD_MAX_LOOKUP
+    pld_max_lookup: int | None = None  # None: DEFAULT_PLD_MAX_LOOKUP on a GPU, CPU_PLD_MAX_LOOKUP on a CPU
     # Pad verify passes to a fixed length (None: on where the device is a GPU).
     pld_static_shapes: bool | None = None
     # Verify a draft only where the measured acceptance and pass costs say it

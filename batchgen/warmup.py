@@ -79,10 +79,11 @@ def warm_up(config: EngineConfig, kv_kinds: tuple[str, ...] = ("fp16",), batched
     report = WarmupReport(config.model, device_name(), str(builds) if builds else None, engine.load_s)
     line_tokens = len(engine.tokenizer.encode(_LINE, add_special_tokens=False))
     jobs = warm_up_jobs(line_tokens, engine.context_length, max_tokens)
+    resolved = engine.config  # the draft and its ceiling as this device resolved them
     for kind in kv_kinds:
         kv = KVConfig(kind=kind, bits=config.kv.bits)
         for rows in (1, len(jobs)) if batched else (1,):
-            engine.config = replace(config, kv=kv, batch_size=rows)
+            engine.config = replace(resolved, kv=kv, batch_size=rows)
             subset = jobs[: len(jobs) if rows > 1 else 3]
             start = time.perf_counter()
             for result in engine.run_all(subset, total=len(subset)):

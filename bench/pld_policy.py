@@ -126,7 +126,7 @@ def main() -> None:
     if system and engine.pool is not None:
         engine.prewarm(system, "bench")
     pipelines = [{"on": True, "off": False}[x] for x in args.pipelines.split(",") if x] or [None]
-    plans = settings([int(x) for x in args.lookups.split(",") if x], cfg.decode.pld_max_lookup, pipelines,
+    plans = settings([int(x) for x in args.lookups.split(",") if x], engine.config.decode.pld_max_lookup, pipelines,
                      [int(x) for x in args.adaptive_lookups.split(",") if x])
     policies = {name: DraftPolicy(adaptive=adaptive) for name, (_, adaptive, _) in plans.items()}
     default_pipeline = engine.verify_pipeline

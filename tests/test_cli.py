@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.config import DEFAULT_PLD_MAX_LOOKUP
+from batchgen.config import CPU_PLD_MAX_LOOKUP
 
 SYSTEM = "You are a helpful assistant. Answer briefly and exactly."
 
@@ -63,7 +63,7 @@ def test_run_writes_one_line_per_job_and_summary(tmp_path, model):
     assert set(s["fusion"]) >= {"qkv", "gate_up", "experts", "skipped", "bytes_freed"}
     assert set(s["prewarm"]) == {"tokens", "seconds"} and s["prewarm"]["tokens"] > 0
     assert "jobs: 4 total, 4 ok, 0 failed, 0 skipped" in r.stderr
-    assert f"prompt-lookup decoding ENABLED pld_max_lookup={DEFAULT_PLD_MAX_LOOKUP} pld_ngram_size=3" in r.stderr
+    assert f"prompt-lookup decoding ENABLED pld_max_lookup={CPU_PLD_MAX_LOOKUP} pld_ngram_size=3" in r.stderr  # the CPU's default
 
 
 def test_bad_lines_get_error_lines_and_exit_1(tmp_path, model):

@@ -51,6 +51,22 @@ def test_greedy_text_equals_mlx_lm_generate(model_dir, arch):
         assert result.finish_reason == "length"
 
 
+def test_draft_ceiling_follows_the_device_unless_given(model_dir, monkeypatch):
+    """pld_max_lookup None takes the device's ceiling (32 on a GPU, 16 on a CPU) into the
+    engine's config, where jobs' plans and the run summary read it; a given one stays."""
+    import batchgen.engine.core as core
+    from batchgen.config import CPU_PLD_MAX_LOOKUP, DEFAULT_PLD_MAX_LOOKUP
+
+    path = model_dir("qwen2")
+    engine = make_engine(path, draft="pld")
+    assert engine.config.decode.pld_max_lookup == CPU_PLD_MAX_LOOKUP == 16  # these tests run on a CPU
+    assert engine.plan(make_job("x")).decode.pld_max_lookup == 16
+    given = Engine.load(EngineConfig(model=str(path), fuse=False, decode=DecodeConfig(pld_max_lookup=7)))
+    assert given.config.decode.pld_max_lookup == 7
+    monkeypatch.setattr(core.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert core.default_pld_max_lookup() == DEFAULT_PLD_MAX_LOOKUP == 32
+
+
 def test_raw_prompt_is_not_templated(model_dir):
     engine = make_engine(model_dir("qwen2"))
     job = make_job(prompt="import os\nimport sys\n")

@@ -25,7 +25,15 @@ from ..decode import pld
 from ..decode.drafts import DraftPolicy
 from ..kernels.registry import keep_builds
 from ..transforms.attention import route_attention
-from ..config import DEFAULT_MAX_TOKENS, EngineConfig, JobPlan, KVConfig, pld_lookup
+from ..config import (
+    CPU_PLD_MAX_LOOKUP,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PLD_MAX_LOOKUP,
+    EngineConfig,
+    JobPlan,
+    KVConfig,
+    pld_lookup,
+)
 from ..jobs import BadJob, Job
 from ..cache.pool import (
     PromptPool,
@@ -160,6 +168,11 @@ def default_draft() -> str:
     return "pld"
 
 
+def default_pld_max_lookup() -> int:
+    """The draft ceiling for this device (config.py says why the two differ)."""
+    return DEFAULT_PLD_MAX_LOOKUP if mx.default_device().type == mx.gpu else CPU_PLD_MAX_LOOKUP
+
+
 def default_batch_size() -> int | str:
     """Batching pays where a step is bound by per-pass overhead, as on a GPU, and
     the more rows the better there (bench/RESULTS.md#whole-file-throughput); on a
@@ -201,6 +214,8 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, model_config: dict):
         if config.decode.draft == "auto":
             config = replace(config, decode=replace(config.decode, draft=default_draft()))
+        if config.decode.pld_max_lookup is None:
+            config = replace(config, decode=replace(config.decode, pld_max_lookup=default_pld_max_lookup()))
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
