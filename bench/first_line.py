@@ -8,7 +8,8 @@ Each run is a fresh `python -m batchgen run JOBS -o TMP --summary TMP.json ...`
 process; the output file is polled every 5 ms for its first complete line. A
 machine's first process pays MLX's kernel builds (unless `batchgen warm-up` ran
 before it); later ones load them: run this twice, or with --runs 2, to see both.
-Prints one JSON object per run and writes them all to --out.
+Prints one JSON object per run (each job's prefill and decode seconds, decode tok/s and
+forward passes under `per_job`) and writes them all to --out.
 """
 
 from __future__ import annotations
@@ -53,9 +54,22 @@ def one_run(jobs: Path, options: list[str], workdir: Path, i: int) -> dict:
                    first_line_less_load_s=None if first is None else round(first - load, 3),
                    completion_tokens=(s.get("tokens") or {}).get("completion"),
                    tok_s_less_load=round((s.get("tokens") or {}).get("completion", 0) / max(total - load, 1e-9), 1))
+    row["per_job"] = per_job(out)
     if proc.returncode != 0:
         row["stderr_tail"] = err.decode(errors="replace")[-500:]
     return row
+
+
+def per_job(out: Path) -> list[dict]:
+    """Each result line's timing, in file order: where a run's time went by job (a
+    first job that pays what later ones do not, a job much slower than the rest)."""
+    rows = []
+    for line in out.read_text().splitlines() if out.exists() else []:
+        r = json.loads(line)
+        s, u = r.get("stats") or {}, r.get("usage") or {}
+        rows.append({"id": r.get("id"), "completion_tokens": u.get("completion_tokens"),
+                     **{k: s.get(k) for k in ("prefill_s", "decode_s", "decode_tps", "forward_passes")}})  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

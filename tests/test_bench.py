@@ -263,3 +263,6 @@ def test_first_line_times_whole_run_processes(tmp_path, model):
     assert 0 < row["load_s"] < row["first_line_s"] <= row["total_s"]
     assert row["first_line_less_load_s"] == round(row["first_line_s"] - row["load_s"], 3)
     assert json.loads(out.read_text())["runs"] == rows
+    assert [j["id"] for j in row["per_job"]] == ["j0", "j1"]
+    assert sum(j["completion_tokens"] for j in row["per_job"]) == 12
+    assert all(j["forward_passes"] >= 1 and j["decode_s"] >= 0 for j in row["per_job"])
