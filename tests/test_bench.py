@@ -4,6 +4,7 @@ output (not its speed)."""
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
@@ -266,3 +267,31 @@ def test_first_line_times_whole_run_processes(tmp_path, model):
     assert [j["id"] for j in row["per_job"]] == ["j0", "j1"]
     assert sum(j["completion_tokens"] for j in row["per_job"]) == 12
     assert all(j["forward_passes"] >= 1 and j["decode_s"] >= 0 for j in row["per_job"])
+
+
+def test_turboquant_passes_times_both_caches_at_each_length(tmp_path, model):
+    """Every (history, tokens fed) pair gets both caches' ms a pass and their ratio, and a
+    pass's trim leaves each cache at its history (the next pass sees the same one)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tqp", Path(__file__).resolve().parents[1] / "bench" / "turboquant_passes.py")
+    tqp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tqp)
+    out = tmp_path / "tqp.json"
+    result = tqp.main(["--model", model, "--dtype", "float32", "--contexts", "24,40", "--lengths", "1,4",
+                       "--rounds", "2", "--reps", "2", "--out", str(out)])  # fmt: skip
+    rows = result["rows"]
+    assert [(r["context"], r["tokens_fed"]) for r in rows] == [(24, 1), (24, 4), (40, 1), (40, 4)]
+    for r in rows:
+        assert r["fp16_ms"] > 0 and r["turboquant_ms"] > 0 and len(r["rounds"]["turboquant"]) == 2
+        assert r["turboquant_over_fp16"] == round(r["turboquant_ms"] / r["fp16_ms"], 3)
+    assert json.loads(out.read_text())["rows"] == rows
+
+    from batchgen.config import EngineConfig, KVConfig
+    from batchgen.engine.core import Engine
+
+    engine = Engine.load(EngineConfig(model=model, dtype="float32"))
+    cache = engine.make_cache(KVConfig(kind="turboquant", bits=4))
+    engine.model(mx.array([[3] * 24]), cache=cache)
+    tqp.pass_ms(engine.model, cache, 4, 2)
+    assert {c.offset for c in cache} == {24}
