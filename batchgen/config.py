@@ -34,6 +34,8 @@ def pld_lookup(kv_kind: str, lookup: int) -> int:
     (16, 5, 3)
     """
     return min(lookup, TURBOQUANT_MAX_LOOKUP) if kv_kind == "turboquant" else lookup
+
+
 DRAFT_KINDS = ("pld", "none")
 KV_CACHE_KINDS = ("fp16", "turboquant")
 KV_BITS = (2, 3, 4)

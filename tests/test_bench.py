@@ -249,12 +249,18 @@ def test_bench_features_writes_each_figure(tmp_path, model):
     assert s["n"]["prefill_tokens"] <= s["separate"]["prefill_tokens"]
 
 
-def test_first_line_times_whole_run_processes(tmp_path, model):
+def bench_script(name: str):
+    """A script of bench/ (not a package) loaded as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("first_line", Path(__file__).resolve().parents[1] / "bench" / "first_line.py")
-    first_line = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(first_line)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_first_line_times_whole_run_processes(tmp_path, model):
+    first_line = bench_script("first_line")
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(2))
     out = tmp_path / "fl.json"
     rows = first_line.main([str(jobs), "--runs", "1", "--out", str(out), "--", "--model", model, "--dtype", "float32"])
@@ -272,11 +278,7 @@ def test_first_line_times_whole_run_processes(tmp_path, model):
 def test_turboquant_passes_times_both_caches_at_each_length(tmp_path, model):
     """Every (history, tokens fed) pair gets both caches' ms a pass and their ratio, and a
     pass's trim leaves each cache at its history (the next pass sees the same one)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tqp", Path(__file__).resolve().parents[1] / "bench" / "turboquant_passes.py")
-    tqp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tqp)
+    tqp = bench_script("turboquant_passes")
     out = tmp_path / "tqp.json"
     result = tqp.main(["--model", model, "--dtype", "float32", "--contexts", "24,40", "--lengths", "1,4",
                        "--rounds", "2", "--reps", "2", "--out", str(out)])  # fmt: skip
