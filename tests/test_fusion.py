@@ -74,7 +74,7 @@ def load_pair(path):
     """The same saved model loaded twice: (unfused, fused, report)."""
     unfused, _ = load_model(path)
     fused, _ = load_model(path)
-    report = fuse_model(fused, keep_fallback=False)
+    report = fuse_model(fused, keep_fallback=False, quantized=True)
     return unfused, fused, report
 
 
@@ -182,7 +182,7 @@ def test_qwen3_5_moe_shared_experts():
     mx.eval(unfused.parameters())
     fused = qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config))
     fused.update(unfused.parameters())
-    report = fuse_model(fused, keep_fallback=False)
+    report = fuse_model(fused, keep_fallback=False, quantized=True)
     assert (report.qkv, report.gate_up, report.experts, len(report.skipped)) == (
         2,
         4,
@@ -255,7 +255,7 @@ def test_mlx_lm_generate_and_quantized_kv_cache(model_path):
     path = model_path("qwen2_hd32")
     unfused, tokenizer = load(str(path))
     fused, _ = load(str(path))
-    fuse_model(fused, keep_fallback=False)
+    fuse_model(fused, keep_fallback=False, quantized=True)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Rename the variable count to total."}],
         add_generation_prompt=True,
@@ -288,7 +288,7 @@ def test_memory_fallback_dropped(model_path, name, monkeypatch):
     tree_before = tree_nbytes(model)
 
     mx.reset_peak_memory()
-    report = fuse_model(model)
+    report = fuse_model(model, quantized=True)
     peak_bytes = mx.get_peak_memory() - base
     fused_bytes = active_bytes() - base
 
@@ -310,7 +310,7 @@ def test_keep_fallback_keeps_originals(model_path, monkeypatch):
     originals = sum(group_bytes(model))
 
     monkeypatch.setenv(KEEP_FALLBACK_ENV, "1")
-    report = fuse_model(model)
+    report = fuse_model(model, quantized=True)
     fused_bytes = active_bytes() - base
     assert report.bytes_freed == 0
     assert fused_bytes == pytest.approx(unfused_bytes + originals, rel=0.01)
@@ -383,7 +383,7 @@ def test_mismatched_quantization_is_skipped(model_path):
     fused, _ = load_model(path)
     for model in (unfused, fused):
         nn.quantize(model, group_size=32, bits=4, class_predicate=mixed)
-    report = fuse_model(fused, keep_fallback=False)
+    report = fuse_model(fused, keep_fallback=False, quantized=True)
     assert (report.qkv, report.gate_up) == (0, 2)
     assert len(report.skipped) == 2
     assert all("bits 4/8/4" in s for s in report.skipped)
@@ -404,7 +404,7 @@ def test_quantization_modes(model_path, mode, group_size, bits):
     fused, _ = load_model(path)
     for model in (unfused, fused):
         nn.quantize(model, group_size=group_size, bits=bits, mode=mode)
-    report = fuse_model(fused, keep_fallback=False)
+    report = fuse_model(fused, keep_fallback=False, quantized=True)
     assert (report.qkv, report.experts, report.skipped) == (2, 2, ())
     prompt = prompt_tokens()
     assert max_abs_diff(unfused(prompt), fused(prompt)) <= FLOAT32_ATOL
@@ -415,7 +415,7 @@ def test_quantizing_a_fused_model(model_path):
     path = model_path("qwen2")
     unfused, _ = load_model(path)
     fused, _ = load_model(path)
-    fuse_model(fused, keep_fallback=False)
+    fuse_model(fused, keep_fallback=False, quantized=True)
     for model in (unfused, fused):
         nn.quantize(model, group_size=32, bits=4)
     assert isinstance(fused.model.layers[0].self_attn.qkv_proj, nn.QuantizedLinear)
@@ -425,7 +425,7 @@ def test_quantizing_a_fused_model(model_path):
 
 def test_fusing_twice_is_a_no_op(model_path):
     unfused, fused, _ = load_pair(model_path("qwen2"))
-    again = fuse_model(fused, keep_fallback=False)
+    again = fuse_model(fused, keep_fallback=False, quantized=True)
     assert (again.qkv, again.gate_up, again.experts, again.bytes_freed) == (0, 0, 0, 0)
     assert again.skipped and all("already fused" in s for s in again.skipped)
     prompt = prompt_tokens()
@@ -447,7 +447,7 @@ def test_prefused_model_is_left_alone():
     mx.eval(model.parameters())
     prompt = prompt_tokens(length=8) % 128
     expected = model(prompt)
-    report = fuse_model(model, keep_fallback=False)
+    report = fuse_model(model, keep_fallback=False, quantized=True)
     assert (report.qkv, report.gate_up, report.experts, report.bytes_freed) == (
         0,
         0,
@@ -478,7 +478,7 @@ def test_nothing_to_fuse(kind):
         model = mamba.Model(args)
     else:
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    report = fuse_model(model)
+    report = fuse_model(model, quantized=True)
     assert (report.qkv, report.gate_up, report.experts, report.bytes_freed) == (
         0,
         0,

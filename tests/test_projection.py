@@ -93,7 +93,7 @@ def test_step_forward_through_the_kernel_keeps_the_logits(model_dir, monkeypatch
     the same tokens: logits within bf16 rounding; the kernel did run."""
     model, _ = load(str(model_dir(arch)))
     model.set_dtype(mx.bfloat16)
-    fuse_model(model)
+    fuse_model(model, quantized=True)
     route_attention(model)
     cache = [Fp16BatchCache([0, 3, 9], kernels=True) for _ in model.layers]
     model(mx.random.randint(0, 300, (3, 24), key=mx.random.key(1)), cache=cache)

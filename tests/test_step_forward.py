@@ -23,7 +23,7 @@ import tiny
 def _model(model_dir, arch, fuse=True, dequantize_rows=None, **kw):
     model, _ = load(str(model_dir(arch, **kw)))
     if fuse:
-        fuse_model(model)
+        fuse_model(model, quantized=True)
     route_quantized(model, dequantize_rows)
     route_attention(model)
     return model
@@ -87,7 +87,7 @@ def test_logits_equal_the_models_own_step(model_dir, arch, kw, rows):
 def test_models_it_does_not_cover_step_through_their_own_layers(tmp_path, arch, kw, fuse, reason):
     model, _ = load(str(tiny.build_model(arch, tmp_path / arch, **kw)))
     if fuse:
-        fuse_model(model)
+        fuse_model(model, quantized=True)
     assert _unsupported(model) == reason and make_step_forward(model) is None
 
 
