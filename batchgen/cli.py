@@ -115,6 +115,13 @@ _DEQUANTIZE_ROWS = click.option(
          "below; auto: on MLX's CUDA backend only; off (or 0): quantized_matmul always.")  # fmt: skip
 
 
+_DENSE_WEIGHTS = click.option(
+    "--dense-weights", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+    callback=lambda _c, _p, v: v if v == "auto" else v == "on",
+    help="Dequantize a quantized model's weights once at load; auto: on MLX's CUDA backend when they fit a "
+         "quarter of its memory (faster there at every batch size; memory as the unquantized model's).")  # fmt: skip
+
+
 class _OneLineErrors(click.Group):
     """click's usage errors as one line (`batchgen: error: ...`, exit 2)
     instead of its usage block, so logs and cron mail stay readable."""
@@ -155,6 +162,7 @@ def main():
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast the model's floating weights (default: as stored).")
 @click.option("--no-fuse", is_flag=True, help="Keep separate q/k/v and gate/up projections.")
 @_DEQUANTIZE_ROWS
+@_DENSE_WEIGHTS
 @click.option("--no-prewarm", is_flag=True, help="Do not prefill the shared system prompt before the first job.")
 @click.option("--no-prompt-cache", is_flag=True, help="No prompt-cache pool (every prompt prefilled in full).")
 @click.option("--prompt-cache-bytes", default=None, help="Pool byte budget, e.g. 4GB (default: a tenth of memory).")
@@ -171,7 +179,7 @@ def main():
               help="Without a terminal: a progress line on stderr this often (30s, 2m, 10; 0 or off: none).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, logs or summary on stderr.")
 def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes,
-        kv_cache, kv_bits, dtype, no_fuse, dequantize_rows, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
+        kv_cache, kv_bits, dtype, no_fuse, dequantize_rows, dense_weights, no_prewarm, no_prompt_cache, prompt_cache_bytes, prompt_cache_dir,
         prewarm_file, batch_size, kv_budget, summary_path, tensor_parallel, retry_failed, no_fsync, log_every,
         quiet):  # fmt: skip
     """Generate a result line for every job in JOBS (a JSONL file, or - for stdin).
@@ -186,6 +194,7 @@ def run(jobs, output, model, max_tokens, seed, draft, pld_ngram_size, pld_max_lo
         fuse=not no_fuse,
         dtype=dtype,
         dequantize_rows=dequantize_rows,
+        dense_weights=dense_weights,
         decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),
         prompt_cache=PromptCacheConfig(
@@ -291,17 +300,19 @@ def validate(jobs, max_tokens):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None)
 @click.option("--no-fuse", is_flag=True)
 @_DEQUANTIZE_ROWS
+@_DENSE_WEIGHTS
 @click.option("--one-at-a-time", is_flag=True, help="Only the one-job path (no batched rows).")
-def warm_up(model, kv_cache, kv_bits, dtype, no_fuse, dequantize_rows, one_at_a_time):
+def warm_up(model, kv_cache, kv_bits, dtype, no_fuse, dequantize_rows, dense_weights, one_at_a_time):
     """Build the kernels runs of MODEL need, once, and keep them on disk: later
     processes (a cron schedule's) load them instead of building them. Give the
-    options the runs use (--dtype, --no-fuse, --dequantize-rows): they change
+    options the runs use (--dtype, --no-fuse, --dequantize-rows, --dense-weights): they change
     which kernels run."""
     _setup_logging(quiet=True)
     from .warmup import WarmupError, warm_up as run_warm_up
 
     engine = EngineConfig(model=model or str(DEMO_MODEL_DIR), fuse=not no_fuse, dtype=dtype,
-                          dequantize_rows=dequantize_rows, kv=KVConfig(bits=int(kv_bits)))  # fmt: skip
+                          dequantize_rows=dequantize_rows, dense_weights=dense_weights,
+                          kv=KVConfig(bits=int(kv_bits)))  # fmt: skip
     kinds = KV_CACHE_KINDS if kv_cache == "both" else (kv_cache,)
     try:
         report = run_warm_up(engine, kinds, batched=not one_at_a_time)
@@ -354,7 +365,9 @@ def report(output, summary_path, report_path, by):
 @click.option("--kv-bits", type=click.Choice([str(b) for b in KV_BITS]), default="4", show_default=True)
 @click.option("--plain-kv-bits", type=click.Choice(["4", "8"]), default=None, help="mlx-lm's own quantized KV cache on the plain side.")
 @click.option("--no-fuse", is_flag=True)
+@click.option("--fuse-quantized", is_flag=True, help="Fuse quantized q/k/v and gate/up too (not fused by default).")
 @_DEQUANTIZE_ROWS
+@_DENSE_WEIGHTS
 @click.option("--no-step-forward", is_flag=True,
               help="Batch steps through the model's own layers, not step/forward.py's pass (which takes quantized models too).")
 @click.option("--no-prompt-cache", is_flag=True)
@@ -375,7 +388,7 @@ def report(output, summary_path, report_path, by):
               help="With --features: PROMPTSxNxTOKENS, random prompts of TOKENS tokens at n=N against PROMPTS*N jobs.")
 def bench(jobs, model, shape, dtype, quantize_bits, quantize_group, quantize_mode, max_jobs, warmup, synthetic_tokens,
           synthetic_jobs, max_tokens, draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_always, pld_policy,
-          kv_cache, kv_bits, plain_kv_bits, no_fuse, dequantize_rows, no_step_forward, no_prompt_cache, no_prewarm,
+          kv_cache, kv_bits, plain_kv_bits, no_fuse, fuse_quantized, dequantize_rows, dense_weights, no_step_forward, no_prompt_cache, no_prewarm,
           out_json, out_png, no_png, batch_sizes, jobs_total, throughput_drafts, throughput_repeats, features,
           samples_spec):  # fmt: skip
     """Run JOBS through plain mlx-lm and through batchgen, side by side."""
@@ -391,7 +404,9 @@ def bench(jobs, model, shape, dtype, quantize_bits, quantize_group, quantize_mod
     engine = EngineConfig(
         model=model or shape or str(DEMO_MODEL_DIR),
         fuse=not no_fuse,
+        fuse_quantized=fuse_quantized,
         dequantize_rows=dequantize_rows,
+        dense_weights=dense_weights,
         batch_step_forward=not no_step_forward,
         decode=DecodeConfig(draft, pld_ngram_size, pld_max_lookup, pld_static_shapes, pld_adaptive=not pld_always),
         kv=KVConfig(kind=kv_cache, bits=int(kv_bits)),

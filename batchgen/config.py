@@ -139,6 +139,11 @@ class EngineConfig:
     # rows of input on (transforms/quantized.py): an int, "auto" (on MLX's CUDA
     # backend only, where quantized_matmul loses at many rows), or None/0: never.
     dequantize_rows: int | str | None = "auto"
+    # A quantized model's weights dequantized once at load (transforms/quantized.py):
+    # True, False, or "auto" (on MLX's CUDA backend when they fit a share of its memory).
+    dense_weights: bool | str = "auto"
+    # Fuse quantized q/k/v and gate/up too (transforms/fusion.py says why not by default).
+    fuse_quantized: bool = False
 
 
 @dataclass(frozen=True)

@@ -377,8 +377,8 @@ def start_summary(cfg: RunConfig, engine) -> RunSummary:
     if report is not None:
         log.info(f"fusion: qkv={report.qkv} gate_up={report.gate_up} experts={report.experts} bytes_freed={report.bytes_freed}")
     if q is not None and q.modes:
-        log.info(f"quantized ({', '.join(q.modes)}): dequantize_rows={q.dequantize_rows} linear={q.linear} "
-                 f"embedding={q.embedding} experts={q.experts}")
+        route = "dense weights" if q.dense else f"dequantize_rows={q.dequantize_rows}"
+        log.info(f"quantized ({', '.join(q.modes)}): {route} linear={q.linear} embedding={q.embedding} experts={q.experts}")
     if d.draft == "pld":
         log.info(f"prompt-lookup decoding ENABLED pld_max_lookup={d.pld_max_lookup} pld_ngram_size={d.pld_ngram_size}")
     if cfg.engine.kv.kind == "turboquant":

@@ -24,7 +24,7 @@ from batchgen.config import (
 from batchgen.engine.core import Engine
 from batchgen.jobs import NATIVE, Job
 from batchgen.transforms import quantized as Q
-from batchgen.transforms.fusion import fuse_model
+from batchgen.transforms.fusion import QUANTIZED_SKIP, fuse_model
 
 SYSTEM = "You are a helpful assistant. Answer briefly and exactly."
 slow = pytest.mark.slow
@@ -37,9 +37,11 @@ def quantized_dir(model_dir, arch, bits, mode="affine", **kw):
     return model_dir(arch, quantize_bits=bits, **moe, **mode_kw, **kw)
 
 
-def make(path, rows, *, fuse=False, draft="none", batch=1, kv="fp16", pool=False) -> Engine:
+def make(path, rows, *, fuse=False, draft="none", batch=1, kv="fp16", pool=False, dense=False) -> Engine:
+    """An engine over `path`; `fuse` fuses the quantized layers too (not fused by default)."""
     cfg = EngineConfig(
-        model=str(path), fuse=fuse, dequantize_rows=rows, batch_size=batch, kv=KVConfig(kind=kv, bits=4),
+        model=str(path), fuse=fuse, fuse_quantized=fuse, dequantize_rows=rows, dense_weights=dense, batch_size=batch,
+        kv=KVConfig(kind=kv, bits=4),
         decode=DecodeConfig(draft=draft, pld_adaptive=False), prompt_cache=PromptCacheConfig(enabled=pool, prewarm=pool),
     )  # fmt: skip
     return Engine.load(cfg)
@@ -114,12 +116,84 @@ def test_the_dense_route_gives_the_quantized_logits(model_dir, mode, bits, group
     model, _ = load(str(path))
     inputs = mx.array([[5, 9, 17, 3, 11, 30, 7, 2, 40, 41]])
     want = model(inputs, cache=make_prompt_cache(model))
-    fuse_model(model)
+    fuse_model(model, quantized=True)
     assert Q.route_quantized(model, 1).linear > 0
     got = model(inputs, cache=make_prompt_cache(model))
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), mx.abs(got - want).max().item()
     job = jobs()[1]
     assert make(path, 1, fuse=True).run(job).text == make(path, None).run(job).text
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("bits", [4, pytest.param(8, marks=slow)])
+def test_dense_weights_give_the_one_at_a_time_texts(model_dir, arch, bits):
+    """Weights dequantized at load, then fused and batched, as TurboQuant rows,
+    or one job at a time with PLD: the texts mlx-lm's quantized layers give each
+    job alone (TurboQuant rows: TurboQuant alone)."""
+    model = quantized_dir(model_dir, arch, bits)
+    for options in ({"batch": 4, "fuse": True}, {"batch": 4, "kv": "turboquant", "fuse": True}, {"draft": "pld"}):
+        want = alone(model, options.get("kv", "fp16"), False)
+        e = make(model, None, dense=True, **options)
+        got = {r.id: r for r in e.run_all(jobs())}
+        assert {i: (r.text, r.finish_reason) for i, r in got.items()} == {
+            i: (r.text, r.finish_reason) for i, r in want.items()}, options  # fmt: skip
+        report = e.quantized_report
+        assert report.dense and report.dequantize_rows is None and report.modes == (f"affine-{bits}-32",)
+        assert (report.embedding, report.experts > 0) == (1, arch == "qwen3_moe")
+        assert not any(Q._is_quantized(m) for _, m in e.model.named_modules())
+    assert e.fusion_report is None or e.fusion_report.qkv == 0  # the PLD engine: unfused
+    assert make(model, None, dense=True, fuse=True).fusion_report.qkv == 2  # dense layers fuse as bf16 ones
+
+
+def test_dense_weights_layers_and_bytes(model_dir):
+    """Each quantized layer becomes its dense twin holding the dequantized
+    weight (bias kept); `dense_nbytes` counts them in the scales' dtype; a
+    wrapped subclass stays quantized and is named."""
+
+    class Wrapped(nn.QuantizedLinear):
+        pass
+
+    model, _ = load(str(quantized_dir(model_dir, "qwen2", 4)))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    want_weight = Q.dequantized(q_proj, q_proj["scales"].dtype)
+    want_bias = q_proj["bias"]
+    model.model.layers[1].self_attn.o_proj = Wrapped(64, 64, bias=False, group_size=32, bits=4)
+    dense = sum(m["weight"].size * 8 * 4 for _, m in model.named_modules()
+                if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding))  # fmt: skip
+    assert Q.dense_nbytes(model) == dense  # float32 scales: 4 bytes a weight, 8 weights a uint32
+    report = Q.dense_weights(model)
+    new = model.model.layers[0].self_attn.q_proj
+    assert type(new) is nn.Linear and mx.array_equal(new.weight, want_weight).item()
+    assert mx.array_equal(new.bias, want_bias).item()
+    assert type(model.model.embed_tokens) is nn.Embedding
+    assert (report.dense, report.linear, report.embedding, report.skipped) == (True, 14, 1, ("Wrapped: 1",))
+
+
+def test_wants_dense():
+    """auto: on CUDA only, and only where the dense weights fit the share."""
+    layer = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)  # 2,048 weights, float32: 8,192 bytes
+    model = nn.Sequential(layer)
+    assert Q.dense_nbytes(model) == 8192
+    share = Q.DENSE_MEMORY_SHARE
+    assert Q.wants_dense("auto", model, cuda=True, memory=int(8192 / share)) is True
+    assert Q.wants_dense("auto", model, cuda=True, memory=int(8192 / share) - 1) is False
+    assert Q.wants_dense("auto", model, cuda=False, memory=10**12) is False
+    assert Q.wants_dense("auto", nn.Sequential(nn.Linear(4, 4)), cuda=True, memory=10**12) is False  # nothing quantized
+    assert Q.wants_dense(True, model) is True and Q.wants_dense(False, model, cuda=True, memory=10**12) is False
+    if not Q.on_cuda():
+        assert Q.wants_dense("auto", model) is False
+    with pytest.raises(ValueError, match="str 'on'"):
+        Q.wants_dense("on", model)
+
+
+def test_fusion_leaves_quantized_groups_unless_asked(model_dir):
+    model, _ = load(str(quantized_dir(model_dir, "qwen3_moe", 4)))
+    report = fuse_model(model)
+    assert (report.qkv, report.gate_up, report.experts) == (0, 0, 0)
+    assert report.skipped == (f"<model>: 4 {QUANTIZED_SKIP}",)  # q/k/v and the experts' gate/up, 2 layers
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    report = fuse_model(model, quantized=True)
+    assert (report.qkv, report.experts) == (2, 2)
 
 
 def test_rows_pick_the_product(monkeypatch):
@@ -189,7 +263,7 @@ def test_quantized_projections_never_take_the_bf16_kernel(model_dir, monkeypatch
     monkeypatch.setattr(projection, "takes", refuse)
     monkeypatch.setattr(projection, "project", refuse)
     model, _ = load(str(quantized_dir(model_dir, "qwen2", 4, tie_word_embeddings=True)))
-    fuse_model(model)
+    fuse_model(model, quantized=True)
     Q.route_quantized(model, 2)
     step = StepForward(model)
     x = mx.random.normal((3, 64))
@@ -211,8 +285,17 @@ def test_run_summary_and_options(model_dir, tmp_path):
     r = CliRunner().invoke(main, ["run", str(path), "--model", model, "-o", str(tmp_path / "o.jsonl"),
                                   "--dequantize-rows", "16", "--summary", str(summary), "-q"])  # fmt: skip
     assert r.exit_code == 0, r.output
-    q = json.loads(summary.read_text())["quantized"]
-    assert q["dequantize_rows"] == 16 and q["linear"] == 9 and q["modes"] == ["affine-4-32"]  # fused: 4 a layer, head
+    d = json.loads(summary.read_text())
+    q = d["quantized"]
+    assert q["dequantize_rows"] == 16 and q["linear"] == 15 and q["modes"] == ["affine-4-32"]  # 7 a layer, head
+    assert not q["dense"] and d["fusion"]["qkv"] == 0 and d["fusion"]["skipped"] == [f"<model>: 4 {QUANTIZED_SKIP}"]
+    r = CliRunner().invoke(main, ["run", str(path), "--model", model, "-o", str(tmp_path / "d.jsonl"),
+                                  "--dense-weights", "on", "--summary", str(summary), "-q"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(summary.read_text())
+    assert d["quantized"]["dense"] and d["quantized"]["linear"] == 15 and d["fusion"]["qkv"] == 2  # dense layers fuse
+    texts = [json.loads(line)["text"] for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert texts == [json.loads(line)["text"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     r = CliRunner().invoke(main, ["run", str(path), "--model", model, "-o", str(tmp_path / "p.jsonl"),
                                   "--dequantize-rows", "many"])  # fmt: skip
     assert r.exit_code == 2 and "--dequantize-rows" in r.output and not (tmp_path / "p.jsonl").exists()

@@ -110,10 +110,11 @@ def shard_model(model, config: dict, group, spec: str) -> None:
     mx.eval(model.parameters())
 
 
-def model_digest(spec: str, config: dict, fused: bool, dequantize_rows: int | None = None) -> str:
+def model_digest(spec: str, config: dict, fused: bool, dequantize_rows: int | str | None = None) -> str:
     """Identity of the model + tokenizer + template, for persisted prompt caches.
-    Fusion and the quantized layers' dense route round differently, so they are
-    part of it (a route that is off leaves the digest as it was before routes).
+    Fusion and the quantized layers' dense route ("dense": weights dequantized
+    at load) round differently, so they are part of it (a route that is off
+    leaves the digest as it was before routes).
 
     Weight files are fingerprinted by size and their first and last MiB, which
     tells apart any two real checkpoints without reading gigabytes.
@@ -265,18 +266,21 @@ class Engine:
         return engine
 
     def make_fast(self) -> None:
-        """Load-time transforms: dtype, weight fusion, quantized layers routed by
-        their rows (after fusion, which wants the layers' own types), attention
-        routed to the caches."""
-        from ..transforms.quantized import resolve_rows, route_quantized
+        """Load-time transforms: dtype, quantized weights made dense where that
+        pays, weight fusion, the remaining quantized layers routed by their rows
+        (after fusion, which wants the layers' own types), attention routed to
+        the caches."""
+        from ..transforms.quantized import dense_weights, resolve_rows, route_quantized, wants_dense
 
         if self.config.dtype:
             cast_floats(self.model, getattr(mx, self.config.dtype))
+        dense = dense_weights(self.model) if wants_dense(self.config.dense_weights, self.model) else None
         if self.config.fuse:
             from ..transforms.fusion import fuse_model
 
-            self.fusion_report = fuse_model(self.model)
-        self.quantized_report = route_quantized(self.model, resolve_rows(self.config.dequantize_rows))
+            self.fusion_report = fuse_model(self.model, quantized=self.config.fuse_quantized)
+        routed = route_quantized(self.model, resolve_rows(self.config.dequantize_rows))
+        self.quantized_report = dense if dense is not None and dense.dense else routed
         route_attention(self.model)
         mx.clear_cache()
         self.model_memory_gb = mx.get_active_memory() / 1e9
@@ -284,7 +288,8 @@ class Engine:
     @property
     def digest(self) -> str:
         if self._digest is None:
-            rows = self.quantized_report.dequantize_rows if self.quantized_report else None
+            q = self.quantized_report
+            rows = (q.dequantize_rows if not q.dense else "dense") if q else None
             self._digest = model_digest(self.config.model, self.model_config, self.config.fuse, rows)
         return self._digest
 

@@ -26,6 +26,13 @@ after fusion, whose checks want exact types too.
 Both forms compute the same product with a different rounding (the dense one
 rounds the dequantized weight to the activations' dtype first): in float32 on
 the CPU they agree to ~1e-5 relative (tests/test_quantized.py).
+
+`dense_weights(model)` goes one step further, before fusion: every quantized
+layer becomes its dense counterpart (nn.Linear, nn.Embedding, SwitchLinear)
+holding the dequantized weight, once, at load. The model then takes the dense
+paths (fusion, the batch step's projection kernel) at the dense model's memory.
+`wants_dense` decides it: on MLX's CUDA backend, when the dense weights fit a
+share of the device's memory (`DENSE_MEMORY_SHARE`).
 """
 
 from __future__ import annotations
@@ -44,13 +51,23 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 CUDA_DEQUANTIZE_ROWS = 64
 
 
+# "auto" dequantizes a quantized model's weights at load on MLX's CUDA backend
+# when the dense weights take at most this share of the device's memory. There a
+# dense matmul beat quantized_matmul at every row count measured, 1 to 2,048 (a
+# 7B layer at 1 row: .246 against .284 ms; at 32: .336 against .794;
+# bench/RESULTS.md#quantized-weights-on-cuda), and the dense model takes the
+# bf16 paths. The share leaves the rest to the KV rows of big batches (a 7B at
+# 4 bits: 15 GB dense on a 141 GB H200). A quantized kernel that wins at few
+# rows, or a device where memory is the limit, would change it; `--dense-weights
+# off` keeps the quantized layers (and the per-row route above).
+DENSE_MEMORY_SHARE = 0.25
+
+
 def default_rows() -> int | None:
     """"auto": `CUDA_DEQUANTIZE_ROWS` on MLX's CUDA backend, else None. Metal's
     quantized kernels are tuned for every row count and we have no Metal figures
     saying otherwise; on the CPU the dense form only costs memory traffic."""
-    if mx.default_device().type == mx.gpu and not mx.metal.is_available():
-        return CUDA_DEQUANTIZE_ROWS
-    return None
+    return CUDA_DEQUANTIZE_ROWS if on_cuda() else None
 
 
 def resolve_rows(setting) -> int | None:
@@ -130,6 +147,96 @@ class RoutedQuantizedSwitchLinear(QuantizedSwitchLinear):
         return x
 
 
+def _dense_twin(module: nn.Module) -> nn.Module:
+    """A quantized layer's dense counterpart holding its dequantized weight (in
+    its scales' dtype, the dtype its products run in) and its bias."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    weight = dequantized(module, module["scales"].dtype)
+    if isinstance(module, nn.QuantizedEmbedding):
+        out = nn.Embedding(*weight.shape)
+    elif isinstance(module, QuantizedSwitchLinear):
+        out = SwitchLinear(weight.shape[-1], weight.shape[-2], weight.shape[0], bias="bias" in module)
+    else:
+        out = nn.Linear(weight.shape[-1], weight.shape[-2], bias="bias" in module)
+    out.weight = weight
+    if "bias" in module:
+        out.bias = module["bias"]
+    return out
+
+
+def _quantized_layers(model: nn.Module) -> tuple[list, dict, set]:
+    """(path, layer) of the layers this module handles (exact types, routed ones
+    too), the other quantized layers by type name, and every quantization mode."""
+    found, skipped, modes = [], {}, set()
+    for path, m in model.named_modules():
+        if not _is_quantized(m):
+            continue
+        modes.add(f"{m.mode}-{m.bits}-{m.group_size}")
+        if type(m) in _ROUTED or type(m) in _KIND:
+            found.append((path, m))
+        else:
+            skipped[type(m).__name__] = skipped.get(type(m).__name__, 0) + 1
+    return found, skipped, modes
+
+
+def dense_nbytes(model: nn.Module) -> int:
+    """Bytes the quantized layers' weights would take dense, in their scales' dtype."""
+    found, _, _ = _quantized_layers(model)
+    return sum(m["weight"].size * 32 // m.bits * m["scales"].dtype.size for _, m in found)
+
+
+def device_memory() -> int | None:
+    """The default device's memory in bytes, where MLX reports it (Metal:
+    `memory_size`, CUDA: `total_memory`)."""
+    try:
+        info = mx.device_info()
+    except Exception:  # a backend without device_info
+        return None
+    size = info.get("memory_size") or info.get("total_memory")
+    return int(size) if size else None
+
+
+def on_cuda() -> bool:
+    return mx.default_device().type == mx.gpu and not mx.metal.is_available()
+
+
+def wants_dense(setting, model: nn.Module, cuda: bool | None = None, memory: int | None = None) -> bool:
+    """Whether `dense_weights` should run: True / False as given, or "auto": on
+    MLX's CUDA backend (`cuda`, default: the default device's) when the model
+    has quantized layers whose dense weights fit `DENSE_MEMORY_SHARE` of
+    `memory` (default: the device's)."""
+    if isinstance(setting, bool):
+        return setting
+    if setting != "auto":
+        raise ValueError(f"dense_weights: True, False or 'auto', got {type(setting).__name__} {setting!r}")
+    if not (on_cuda() if cuda is None else cuda):
+        return False
+    memory = device_memory() if memory is None else memory
+    need = dense_nbytes(model)
+    return memory is not None and 0 < need <= DENSE_MEMORY_SHARE * memory
+
+
+def dense_weights(model: nn.Module) -> QuantizedReport:
+    """Replace `model`'s quantized layers by dense ones holding the dequantized
+    weights, in place, a layer at a time (each dense weight is evaluated before
+    the next, and the quantized one dropped, so the peak is the dense model's
+    plus one layer). Layers of other types (a tensor-parallel shard) stay."""
+    from mlx.utils import tree_unflatten
+
+    found, skipped, modes = _quantized_layers(model)
+    counts = {"linear": 0, "embedding": 0, "experts": 0}
+    for path, m in found:
+        twin = _dense_twin(m)
+        mx.eval(twin.parameters())
+        model.update_modules(tree_unflatten([(path, twin)]))
+        kind = "embedding" if isinstance(m, nn.QuantizedEmbedding) else "experts" if isinstance(m, QuantizedSwitchLinear) else "linear"
+        counts[kind] += 1
+    mx.clear_cache()
+    return QuantizedReport(None, **counts, modes=tuple(sorted(modes)), dense=bool(found),
+                           skipped=tuple(f"{name}: {n}" for name, n in sorted(skipped.items())))  # fmt: skip
+
+
 _ROUTED = {
     nn.QuantizedLinear: RoutedQuantizedLinear,
     nn.QuantizedEmbedding: RoutedQuantizedEmbedding,
@@ -140,9 +247,10 @@ _KIND = {RoutedQuantizedLinear: "linear", RoutedQuantizedEmbedding: "embedding",
 
 @dataclass(frozen=True)
 class QuantizedReport:
-    """What `route_quantized` found and did: the threshold applied (None: none),
-    the layers it routes by kind, their quantization ("affine-4-64", "mxfp4-4-32"),
-    and the quantized layers it left as they were, by type."""
+    """What `route_quantized` (or `dense_weights`) found and did: the threshold
+    applied (None: none), the layers it routes (or made dense: `dense`) by kind,
+    their quantization ("affine-4-64", "mxfp4-4-32"), and the quantized layers
+    it left as they were, by type."""
 
     dequantize_rows: int | None = None
     linear: int = 0
@@ -150,10 +258,12 @@ class QuantizedReport:
     experts: int = 0
     modes: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
+    dense: bool = False
 
     def as_dict(self) -> dict:
-        return {"dequantize_rows": self.dequantize_rows, "linear": self.linear, "embedding": self.embedding,
-                "experts": self.experts, "modes": list(self.modes), "skipped": list(self.skipped)}  # fmt: skip
+        return {"dense": self.dense, "dequantize_rows": self.dequantize_rows, "linear": self.linear,
+                "embedding": self.embedding, "experts": self.experts, "modes": list(self.modes),
+                "skipped": list(self.skipped)}  # fmt: skip
 
 
 def _routed(module: nn.Module, rows: int) -> nn.Module:
@@ -178,15 +288,7 @@ def route_quantized(model: nn.Module, rows: int | None) -> QuantizedReport:
     report still counts the quantized layers (all under `skipped`)."""
     from mlx.utils import tree_unflatten
 
-    found, skipped, modes = [], {}, set()
-    for path, m in model.named_modules():
-        if not _is_quantized(m):
-            continue
-        modes.add(f"{m.mode}-{m.bits}-{m.group_size}")
-        if type(m) in _ROUTED or type(m) in _KIND:
-            found.append((path, m))
-        else:
-            skipped[type(m).__name__] = skipped.get(type(m).__name__, 0) + 1
+    found, skipped, modes = _quantized_layers(model)
     counts = {"linear": 0, "embedding": 0, "experts": 0}
     if rows is not None and found:
         swapped = [(path, _routed(m, rows)) for path, m in found]
