@@ -8,6 +8,12 @@
 #              300); a failure ends the call
 #   headline   the README's headline figures (bench/RESULTS.md), each row for every side in turn
 #   headline7b the 7B shape's rows of the same (the weights alone take a minute to build)
+#   quantized  random-weight shapes quantized (QSHAPES, default 0.5B 1.5B 7B; QBITS, default
+#              "4 8"; QROWS, default 1,32,auto): batchgen against batch_generate, one process each
+#   quantized_pld  one job at a time, PLD on the demo model's edits at 4 and 8 bits (mlx-lm's
+#              convert), against mlx-lm's stream_generate on the same quantized model
+#   quantized_runs whole `batchgen run` processes on the 7B shape at 4 bits (QRUN_SHAPE), 256
+#              jobs, auto rows, --dense-weights on and off in turn (QRUN_ROUNDS, default 2)
 #   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
 #              samples against separate jobs (0.5B shape). Needs llguidance: its abi3 wheel
 #              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
@@ -70,6 +76,52 @@ stage_headline7b() {  # whole-file throughput, 7B shape, auto rows; TurboQuant o
     step "tqd7b_${s}" 150 $(side "$s") python3 bench/turboquant_decode.py qwen2.5-7b 32768 --rounds 5 \
       --out "$R/tqd7b_${s}.jsonl"
   done
+}
+
+stage_quantized() {
+  local shape bits
+  for shape in ${QSHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}; do
+    for bits in ${QBITS:-4 8}; do
+      step "q_${shape}_$bits" "${QSTEP_S:-400}" python3 -m batchgen bench jobs/freeform.jsonl --shape "$shape" \
+        --quantize "$bits" --throughput "${QROWS:-1,32,auto}" --jobs-total 256 --max-tokens 128 --no-png \
+        --out "$R/q_${shape}_$bits.json"
+    done
+  done
+  return 0  # a row past its time is in its log; the next shape still runs
+}
+
+stage_quantized_pld() {
+  local bits
+  for bits in 4 8; do
+    step "convert_demo_q$bits" 60 python3 -m mlx_lm convert --hf-path batchgen/demo --mlx-path "/tmp/demo-q$bits" \
+      -q --q-bits "$bits" --q-group-size 64 || continue
+    cp batchgen/demo/chat_template.jinja "/tmp/demo-q$bits/" 2>/dev/null
+    step "pld_demo_q$bits" 150 python3 -m batchgen bench jobs/edits.jsonl --model "/tmp/demo-q$bits" \
+      --max-jobs 40 --no-png --out "$R/pld_demo_q$bits.json"
+  done
+  return 0
+}
+
+stage_quantized_runs() {  # a cron user's view: fresh processes, load included and reported apart
+  local shape=${QRUN_SHAPE:-qwen2.5-7b} dir=/tmp/shapes/q4 round dense
+  [[ -d $dir ]] || step "shape_model_q4" 240 python3 bench/shape_model.py "$shape" "$dir" --quantize 4 || return 0
+  python3 - <<'EOF' >/tmp/jobs256.jsonl  # the header line, then 256 jobs cycling freeform's
+import itertools, json
+lines = open("jobs/freeform.jsonl").read().splitlines()
+print(lines[0])
+for i, line in zip(range(256), itertools.cycle(lines[1:])):
+    job = json.loads(line)
+    job["id"] = f"{job['id']}-{i}"
+    print(json.dumps(job))
+EOF
+  for round in $(seq "${QRUN_ROUNDS:-2}"); do
+    for dense in on off; do
+      step "run_${dense}_$round" 200 python3 -m batchgen run /tmp/jobs256.jsonl --model "$dir" --max-tokens 128 \
+        --batch-size auto --dense-weights "$dense" -o "/tmp/run_${dense}_$round.jsonl" \
+        --summary "$R/run_${dense}_$round.summary.json"
+    done
+  done
+  return 0
 }
 
 stage_features() {

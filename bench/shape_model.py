@@ -2,7 +2,7 @@
 `batchgen run --model DIR` loads (`batchgen bench --shape` keeps such models in
 memory; a launch over several ranks loads from disk in every rank):
 
-    python3 bench/shape_model.py qwen2.5-7b /tmp/shapes/qwen2.5-7b [--dtype bfloat16]
+    python3 bench/shape_model.py qwen2.5-7b /tmp/shapes/qwen2.5-7b [--dtype bfloat16] [--quantize 4]
 
 Weights are seeded (the same for a shape and seed), the tokenizer and chat
 template are the demo model's (a Qwen-shaped vocabulary holds all its ids).
@@ -30,8 +30,10 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", type=int, choices=[4, 8], default=None, help="affine bits (mlx-lm's layout)")
+    p.add_argument("--quantize-group", type=int, choices=[32, 64, 128], default=64)
     args = p.parse_args()
-    model, config = random_model(args.shape, args.dtype, None, args.seed)
+    model, config = random_model(args.shape, args.dtype, args.quantize, args.seed, group_size=args.quantize_group)
     args.out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     if config.get("tie_word_embeddings"):
