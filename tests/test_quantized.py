@@ -108,8 +108,8 @@ def test_paths_give_the_one_at_a_time_texts(model_dir, arch, bits, rows, path):
 @pytest.mark.parametrize("mode,bits,group", [("affine", 4, 32), ("affine", 8, 64), ("affine", 4, 128), ("mxfp4", 4, 32),
                                              ("nvfp4", 4, 16), ("mxfp8", 8, 32)])  # fmt: skip
 def test_the_dense_route_gives_the_quantized_logits(model_dir, mode, bits, group):
-    """Every product dense over the dequantized weight, against mlx-lm's
-    quantized_matmul: a prompt pass's logits within 1e-4 (float32; the two round
+    """Every product dense over the dequantized weight (routed by rows, or the
+    weights dense from load), against mlx-lm's quantized_matmul: a prompt pass's logits within 1e-4 (float32; the two round
     differently: on the CPU affine agrees to the bit, the fp modes within ~5e-6
     of logits of magnitude ~4), the same greedy text. The fp modes have their own group size."""
     path = quantized_dir(model_dir, "qwen2", bits, mode, group_size=group, hidden_size=128, intermediate_size=128)
@@ -122,6 +122,13 @@ def test_the_dense_route_gives_the_quantized_logits(model_dir, mode, bits, group
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), mx.abs(got - want).max().item()
     job = jobs()[1]
     assert make(path, 1, fuse=True).run(job).text == make(path, None).run(job).text
+    model, _ = load(str(path))  # weights dense from load: dense layers of the model's float dtype
+    report = Q.dense_weights(model)
+    assert report.dense and report.modes == (f"{mode}-{bits}-{group}",)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    got = model(inputs, cache=make_prompt_cache(model))
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), mx.abs(got - want).max().item()
+    assert make(path, None, dense=True, fuse=True).run(job).text == make(path, None).run(job).text
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe"])

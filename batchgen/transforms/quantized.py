@@ -147,12 +147,33 @@ class RoutedQuantizedSwitchLinear(QuantizedSwitchLinear):
         return x
 
 
-def _dense_twin(module: nn.Module) -> nn.Module:
+def _dense_dtype(module: nn.Module, fallback) -> mx.Dtype:
+    """The dtype a quantized layer's dense weight takes: its affine scales'
+    (the dtype its products run in), or, for the fp modes (mxfp4, nvfp4, mxfp8),
+    whose scales are uint8 exponents, `fallback` (the model's own float dtype)."""
+    dtype = module["scales"].dtype
+    return dtype if mx.issubdtype(dtype, mx.floating) else fallback
+
+
+def float_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype most of `model`'s non-quantized parameters have (the
+    norms', at least; float32 where it has none)."""
+    from mlx.utils import tree_flatten
+
+    quantized = tuple(f"{path}." for path, m in model.named_modules() if _is_quantized(m))
+    counts: dict = {}
+    for key, a in tree_flatten(model.parameters()):
+        if not key.startswith(quantized) and mx.issubdtype(a.dtype, mx.floating):
+            counts[a.dtype] = counts.get(a.dtype, 0) + a.size
+    return max(counts, key=counts.get) if counts else mx.float32
+
+
+def _dense_twin(module: nn.Module, fallback) -> nn.Module:
     """A quantized layer's dense counterpart holding its dequantized weight (in
-    its scales' dtype, the dtype its products run in) and its bias."""
+    `_dense_dtype`) and its bias."""
     from mlx_lm.models.switch_layers import SwitchLinear
 
-    weight = dequantized(module, module["scales"].dtype)
+    weight = dequantized(module, _dense_dtype(module, fallback))
     if isinstance(module, nn.QuantizedEmbedding):
         out = nn.Embedding(*weight.shape)
     elif isinstance(module, QuantizedSwitchLinear):
@@ -181,9 +202,10 @@ def _quantized_layers(model: nn.Module) -> tuple[list, dict, set]:
 
 
 def dense_nbytes(model: nn.Module) -> int:
-    """Bytes the quantized layers' weights would take dense, in their scales' dtype."""
+    """Bytes the quantized layers' weights would take dense (in `_dense_dtype`)."""
     found, _, _ = _quantized_layers(model)
-    return sum(m["weight"].size * 32 // m.bits * m["scales"].dtype.size for _, m in found)
+    fallback = float_dtype(model)
+    return sum(m["weight"].size * 32 // m.bits * _dense_dtype(m, fallback).size for _, m in found)
 
 
 def device_memory() -> int | None:
@@ -225,9 +247,10 @@ def dense_weights(model: nn.Module) -> QuantizedReport:
     from mlx.utils import tree_unflatten
 
     found, skipped, modes = _quantized_layers(model)
+    fallback = float_dtype(model)
     counts = {"linear": 0, "embedding": 0, "experts": 0}
     for path, m in found:
-        twin = _dense_twin(m)
+        twin = _dense_twin(m, fallback)
         mx.eval(twin.parameters())
         model.update_modules(tree_unflatten([(path, twin)]))
         kind = "embedding" if isinstance(m, nn.QuantizedEmbedding) else "experts" if isinstance(m, QuantizedSwitchLinear) else "linear"
