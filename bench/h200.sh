@@ -10,6 +10,8 @@
 #   headline7b the 7B shape's rows of the same (the weights alone take a minute to build)
 #   quantized  random-weight shapes quantized (QSHAPES, default 0.5B 1.5B 7B; QBITS, default
 #              "4 8"; QROWS, default 1,32,auto): batchgen against batch_generate, one process each
+#   quantized_one  the same shapes and bits one job at a time (16 jobs), against mlx-lm's
+#              stream_generate over the same quantized model
 #   quantized_pld  one job at a time, PLD on the demo model's edits at 4 and 8 bits (mlx-lm's
 #              convert), against mlx-lm's stream_generate on the same quantized model
 #   quantized_runs whole `batchgen run` processes on the 7B shape at 4 bits (QRUN_SHAPE), 256
@@ -88,6 +90,17 @@ stage_quantized() {
     done
   done
   return 0  # a row past its time is in its log; the next shape still runs
+}
+
+stage_quantized_one() {
+  local shape bits
+  for shape in ${QSHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}; do
+    for bits in ${QBITS:-4 8}; do
+      step "q1_${shape}_$bits" "${QSTEP_S:-200}" python3 -m batchgen bench jobs/freeform.jsonl --shape "$shape" \
+        --quantize "$bits" --max-jobs 16 --max-tokens 128 --no-png --out "$R/q1_${shape}_$bits.json"
+    done
+  done
+  return 0
 }
 
 stage_quantized_pld() {
