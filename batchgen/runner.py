@@ -343,14 +343,18 @@ def silence_stdout() -> None:
 
 
 def load_engine(cfg: RunConfig, tensor_group=None):
-    timer = Timer()  # mlx-lm's first import (transformers) is part of loading
+    timer = Timer()  # mlx-lm's first import (transformers, and torch where installed) is part of loading
+    import mlx_lm  # noqa: F401
+
     from .engine.core import Engine, ModelLoadError
 
+    imported = timer.elapsed_s
     try:
         engine = Engine.load(cfg.engine, tensor_group)
     except ModelLoadError as e:
         raise RunError(str(e)) from None
     engine.load_s = timer.elapsed_s
+    engine.load_parts = {"import": imported, **engine.load_parts}
     return engine
 
 
@@ -361,6 +365,7 @@ def start_summary(cfg: RunConfig, engine) -> RunSummary:
     d = replace(d, pld_max_lookup=pld_lookup(cfg.engine.kv.kind, d.pld_max_lookup))  # as a job's plan caps it
     s = RunSummary(
         load_s=engine.load_s,
+        load_parts=dict(engine.load_parts),
         model_memory_gb=engine.model_memory_gb,
         device=device_name(),
         model=cfg.engine.model,
@@ -373,7 +378,8 @@ def start_summary(cfg: RunConfig, engine) -> RunSummary:
     s.fusion = report.as_dict() if report is not None else {"qkv": 0, "gate_up": 0, "experts": 0, "skipped": ["fusion off (--no-fuse)"], "bytes_freed": 0}
     q = engine.quantized_report
     s.quantized = q.as_dict() if q is not None else {}
-    log.info(f"loaded {cfg.engine.model} in {engine.load_s:.2f}s ({engine.model_memory_gb:.3f} GB) on {s.device}")
+    parts = ", ".join(f"{k} {v:.2f}s" for k, v in engine.load_parts.items())
+    log.info(f"loaded {cfg.engine.model} in {engine.load_s:.2f}s ({parts}; {engine.model_memory_gb:.3f} GB) on {s.device}")
     if report is not None:
         log.info(f"fusion: qkv={report.qkv} gate_up={report.gate_up} experts={report.experts} bytes_freed={report.bytes_freed}")
     if q is not None and q.modes:

@@ -87,11 +87,17 @@ class Timer:
     """Wall-clock seconds since construction (perf_counter)."""
 
     def __init__(self):
-        self.start = time.perf_counter()
+        self.start = self._lap = time.perf_counter()
 
     @property
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start
+
+    def lap(self) -> float:
+        """Seconds since the last `lap` (the first: since construction)."""
+        now = time.perf_counter()
+        seconds, self._lap = now - self._lap, now
+        return seconds
 
 
 @dataclass
@@ -108,6 +114,7 @@ class RunSummary:
     decode_tokens: int = 0  # tokens generated after each job's first
     wall_s: float = 0.0
     load_s: float = 0.0
+    load_parts: dict = field(default_factory=dict)  # load_s by step: import, device, read, transforms
     peak_memory_gb: float = 0.0
     model_memory_gb: float = 0.0
     device: str = ""
@@ -177,6 +184,7 @@ class RunSummary:
             },
             "wall_s": round(self.wall_s, 3),
             "load_s": round(self.load_s, 3),
+            "load_parts": {k: round(v, 3) for k, v in self.load_parts.items()},
             "decode_tps": round(self.decode_tps, 2),
             "jobs_per_s": round(self.ok / self.wall_s, 3) if self.wall_s > 0 else 0.0,
             "throughput_tps": round(self.completion_tokens / self.wall_s, 2) if self.wall_s > 0 else 0.0,
@@ -211,7 +219,7 @@ class RunSummary:
             + (f" ({j['skipped_failed']} of them error lines)" if j["skipped_failed"] else ""),
             f"tokens: {t['prompt']} prompt ({t['cached']} cached, cache_hit_ratio={d['cache_hit_ratio']}), "
             f"{t['completion']} completion",
-            f"time: wall {d['wall_s']}s, load {d['load_s']}s, prewarm {d['prewarm']['tokens']} tokens "
+            f"time: wall {d['wall_s']}s, load {d['load_s']}s{_parts(d['load_parts'])}, prewarm {d['prewarm']['tokens']} tokens "
             f"in {d['prewarm']['seconds']}s; decode {d['decode_tps']} tok/s per job, "
             f"{d['throughput_tps']} tok/s overall, {d['jobs_per_s']} jobs/s",
             f"memory: peak {d['peak_memory_gb']} GB, model {d['model_memory_gb']} GB; device {d['device']}",
@@ -220,6 +228,15 @@ class RunSummary:
             f"fusion qkv={f.get('qkv', 0)} gate_up={f.get('gate_up', 0)} experts={f.get('experts', 0)} "
             f"batch rows={d['batch'].get('rows', 1)}" + _batched_draft(d["batch"]),
         ] + ([_ranks_line(self.parallel, self.ranks)] if self.ranks else [])
+
+
+def _parts(parts: dict) -> str:
+    """' (import 1.2, read 0.3)' from {"import": 1.234, "read": 0.3}; '' if none.
+
+    >>> _parts({"import": 1.234, "read": 0.3})
+    ' (import 1.2, read 0.3)'
+    """
+    return f" ({', '.join(f'{k} {v:.1f}' for k, v in parts.items())})" if parts else ""
 
 
 def rank_figures(rank: int, counts: dict, jobs: int) -> dict:

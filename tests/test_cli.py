@@ -62,6 +62,10 @@ def test_run_writes_one_line_per_job_and_summary(tmp_path, model):
         assert key in s
     assert set(s["fusion"]) >= {"qkv", "gate_up", "experts", "skipped", "bytes_freed"}
     assert set(s["prewarm"]) == {"tokens", "seconds"} and s["prewarm"]["tokens"] > 0
+    parts = s["load_parts"]  # where loading went, in order; together (rounded) the load
+    assert list(parts) == ["import", "device", "read", "transforms"] and min(parts.values()) >= 0
+    assert sum(parts.values()) == pytest.approx(s["load_s"], abs=0.01)
+    assert f"load {s['load_s']}s (import {parts['import']:.1f}, device {parts['device']:.1f}," in r.stderr
     assert "jobs: 4 total, 4 ok, 0 failed, 0 skipped" in r.stderr
     assert f"prompt-lookup decoding ENABLED pld_max_lookup={CPU_PLD_MAX_LOOKUP} pld_ngram_size=3" in r.stderr  # the CPU's default
 

@@ -225,6 +225,7 @@ class Engine:
         self.fusion_report = None
         self.quantized_report = None  # `QuantizedReport`, once `make_fast` ran
         self.load_s = 0.0
+        self.load_parts: dict = {}  # seconds by step of `load` (and the runner's imports)
         self.model_memory_gb = 0.0
         self._digest = None
         self._per_token_bytes: dict = {}  # (kind, bits) -> `kv_bytes_per_token`
@@ -257,12 +258,21 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig, tensor_group=None) -> "Engine":
+        """Load and transform the model; `load_parts` times the steps: "device"
+        (the first contact with the GPU, which on CUDA starts its context, and
+        the kernel-build folder), "read" (mlx-lm's load: weights, tokenizer),
+        "transforms" (`make_fast`, evaluated)."""
         timer = Timer()
+        parts = {}
         keep_builds()  # before anything builds a kernel
+        parts["device"] = timer.lap()
         model, tokenizer, model_config = load_model(config.model, tensor_group)
+        parts["read"] = timer.lap()
         engine = cls(model, tokenizer, config, model_config)
         engine.make_fast()
+        parts["transforms"] = timer.lap()
         engine.load_s = timer.elapsed_s
+        engine.load_parts = parts
         return engine
 
     def make_fast(self) -> None:
