@@ -190,6 +190,34 @@ def test_pld_greedy_equals_plain_greedy(model_dir, arch, static, pipeline):
     assert drafted > 0  # drafts were verified, not just skipped
 
 
+@pytest.mark.parametrize("static, pipeline", [(False, False), (True, False), (True, True)])
+def test_turboquant_trims_stay_within_the_exact_reserve(model_dir, monkeypatch, static, pipeline):
+    """A TurboQuant job's cache keeps exact copies for the trims its verify can
+    make: a pass's draft (5), or, pipelined, two passes (12); PLD then trims
+    no further back than that, and gives plain decoding's text."""
+    from batchgen.cache.turboquant import TurboQuantKVCache
+    from batchgen.config import KVConfig
+
+    trims = []
+    trim = TurboQuantKVCache.trim
+    monkeypatch.setattr(TurboQuantKVCache, "trim", lambda self, n: trims.append(n) or trim(self, n))
+    cfg = EngineConfig(
+        model=str(model_dir("qwen2")), fuse=False, kv=KVConfig(kind="turboquant"),
+        decode=DecodeConfig(draft="pld", pld_static_shapes=static, pld_adaptive=False, pld_pipeline=pipeline),
+        prompt_cache=PromptCacheConfig(enabled=False),
+    )  # fmt: skip
+    engine = Engine.load(cfg)
+    reserve = engine.make_cache(cfg.kv)[0].trim_reserve
+    assert reserve == (12 if pipeline else 5)
+    drafted = 0
+    for text in LOOPY:
+        plain = engine.run(make_job(text, max_tokens=40, draft="none"))
+        fast = engine.run(make_job(text, max_tokens=40, draft="pld"))
+        assert fast.text == plain.text and fast.stats.kv_cache == "turboquant"
+        drafted += fast.stats.pld_drafted
+    assert drafted > 0 and trims and max(trims) <= reserve
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_pld_on_a_repeating_model_accepts_and_cuts_passes(model_dir, pipeline):
     engine = pld_engine(model_dir("qwen2", repeater=True), pipeline=pipeline)

@@ -331,9 +331,13 @@ class Engine:
         return JobPlan(decode, kv)
 
     def make_cache(self, kv: KVConfig) -> list:
-        # TurboQuant: exact trims up to what a pipelined verify can roll back, its
-        # own pass and the speculative one behind it.
-        reserve = 2 * (pld_lookup("turboquant", self.config.decode.pld_max_lookup) + 1)
+        # TurboQuant: exact trims up to what a verify can roll back: a pass's
+        # draft (its pad included: a pass is at most L + 1 tokens and keeps one),
+        # or, pipelined, its own pass and the speculative one behind it. Every
+        # exact copy is a token of the model's dtype a layer and head (1 + L
+        # sinks/window/trims in all: 16 at L = 5, 23 pipelined).
+        lookup = pld_lookup("turboquant", self.config.decode.pld_max_lookup)
+        reserve = 2 * (lookup + 1) if self.verify_pipeline else lookup
         return make_kv_cache(self.model, kv.kind, kv.bits, short_passes=self.short_attention, trim_reserve=reserve)
 
     # -- prewarm ----------------------------------------------------------
