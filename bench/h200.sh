@@ -16,6 +16,9 @@
 #              convert), against mlx-lm's stream_generate on the same quantized model
 #   quantized_runs whole `batchgen run` processes on the 7B shape at 4 bits (QRUN_SHAPE), 256
 #              jobs, auto rows, --dense-weights on and off in turn (QRUN_ROUNDS, default 2)
+#   load       where a fresh `batchgen run` process's load goes (the summary's load_parts), two
+#              processes of jobs/example.jsonl, and the import of torch alone (transformers
+#              imports it wherever it is installed)
 #   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
 #              samples against separate jobs (0.5B shape). Needs llguidance: its abi3 wheel
 #              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
@@ -134,6 +137,15 @@ EOF
         --summary "$R/run_${dense}_$round.summary.json"
     done
   done
+  return 0
+}
+
+stage_load() {
+  local i
+  for i in 1 2; do
+    step "load_run_$i" 120 python3 -m batchgen run jobs/example.jsonl -o "/tmp/load_$i.jsonl" --summary "$R/load_run_$i.summary.json"
+  done
+  step load_torch 60 python3 -c "import time; t = time.perf_counter(); import torch; print('torch import', round(time.perf_counter() - t, 2), 's')"
   return 0
 }
 
