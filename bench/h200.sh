@@ -19,6 +19,9 @@
 #   load       where a fresh `batchgen run` process's load goes (the summary's load_parts), two
 #              processes of jobs/example.jsonl, and the import of torch alone (transformers
 #              imports it wherever it is installed)
+#   tqprobe    TurboQuant one at a time: bench/turboquant_passes.py (plain steps and short verify
+#              passes against fp16 at 300 and 2,000 tokens of history), then bench/first_line.py
+#              over the first 40 edit jobs, fp16 and TurboQuant, fresh processes
 #   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
 #              samples against separate jobs (0.5B shape). Needs llguidance: its abi3 wheel
 #              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
@@ -146,6 +149,15 @@ stage_load() {
     step "load_run_$i" 120 python3 -m batchgen run jobs/example.jsonl -o "/tmp/load_$i.jsonl" --summary "$R/load_run_$i.summary.json"
   done
   step load_torch 60 python3 -c "import time; t = time.perf_counter(); import torch; print('torch import', round(time.perf_counter() - t, 2), 's')"
+  return 0
+}
+
+stage_tqprobe() {
+  step tq_passes 200 python3 bench/turboquant_passes.py --contexts 300,2000 --lengths 1,6 --out "$R/tq_passes.json"
+  head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
+  step fl_fp16 120 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_fp16.json" -- --batch-size 1
+  step fl_tq 200 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_tq.json" -- --batch-size 1 \
+    --kv-cache turboquant
   return 0
 }
 
