@@ -241,22 +241,27 @@ def wants_dense(setting, model: nn.Module, cuda: bool | None = None, memory: int
 
 def dense_weights(model: nn.Module) -> QuantizedReport:
     """Replace `model`'s quantized layers by dense ones holding the dequantized
-    weights, in place, a layer at a time (each dense weight is evaluated before
-    the next, and the quantized one dropped, so the peak is the dense model's
-    plus one layer). Layers of other types (a tensor-parallel shard) stay."""
+    weights, in place, a layer at a time (each dense weight is evaluated and the
+    quantized one freed before the next, so the peak is the dense model's plus
+    the quantized layers not yet replaced). Layers of other types (a
+    tensor-parallel shard) stay."""
     from mlx.utils import tree_unflatten
 
     found, skipped, modes = _quantized_layers(model)
     fallback = float_dtype(model)
     counts = {"linear": 0, "embedding": 0, "experts": 0}
-    for path, m in found:
+    dense = bool(found)
+    found.reverse()
+    while found:  # popped, so that nothing here keeps a replaced layer's arrays alive
+        path, m = found.pop()
         twin = _dense_twin(m, fallback)
         mx.eval(twin.parameters())
         model.update_modules(tree_unflatten([(path, twin)]))
         kind = "embedding" if isinstance(m, nn.QuantizedEmbedding) else "experts" if isinstance(m, QuantizedSwitchLinear) else "linear"
         counts[kind] += 1
+        del m, twin
     mx.clear_cache()
-    return QuantizedReport(None, **counts, modes=tuple(sorted(modes)), dense=bool(found),
+    return QuantizedReport(None, **counts, modes=tuple(sorted(modes)), dense=dense,
                            skipped=tuple(f"{name}: {n}" for name, n in sorted(skipped.items())))  # fmt: skip
 
 
