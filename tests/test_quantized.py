@@ -191,6 +191,18 @@ def test_dense_weights_drop_each_quantized_layer_as_they_go(monkeypatch):
     assert [b - a for a, b in zip(active, active[1:])] == [(4 - 0.625) * 2**20] * 5
 
 
+def test_the_kv_budget_counts_the_dense_weights(model_dir, monkeypatch):
+    """The batch's default KV budget is half of what the model leaves as
+    transformed: taken after the weights went dense, not before."""
+    from batchgen.engine import core
+
+    events, budget, dense = [], core.default_kv_budget, Q.dense_weights
+    monkeypatch.setattr(core, "default_kv_budget", lambda: events.append(("budget", budget())) or events[-1][1])
+    monkeypatch.setattr(Q, "dense_weights", lambda m: events.append(("dense", None)) or dense(m))
+    e = make(quantized_dir(model_dir, "qwen2", 4), None, dense=True, batch=4)
+    assert [name for name, _ in events][-2:] == ["dense", "budget"] and e.kv_budget_bytes == events[-1][1]
+
+
 def test_wants_dense():
     """auto: on CUDA only, and only where the dense weights fit the share."""
     layer = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)  # 2,048 weights, float32: 8,192 bytes

@@ -294,6 +294,8 @@ class Engine:
         route_attention(self.model)
         mx.clear_cache()
         self.model_memory_gb = mx.get_active_memory() / 1e9
+        if not self.config.kv_budget_bytes:  # what is left after the model as transformed (dense weights grow it)
+            self.kv_budget_bytes = default_kv_budget()
 
     @property
     def digest(self) -> str:
