@@ -333,13 +333,13 @@ class Engine:
         return JobPlan(decode, kv)
 
     def make_cache(self, kv: KVConfig) -> list:
-        # TurboQuant: exact trims up to what a verify can roll back: a pass's
-        # draft (its pad included: a pass is at most L + 1 tokens and keeps one),
-        # or, pipelined, its own pass and the speculative one behind it. Every
-        # exact copy is a token of the model's dtype a layer and head (1 + L
-        # sinks/window/trims in all: 16 at L = 5, 23 pipelined).
+        # TurboQuant: exact trims up to what a verify can roll back: a whole pass
+        # of L + 1 tokens (a model with recurrent layers trims it all and replays
+        # the kept tokens), or, pipelined, its own pass and the speculative one
+        # behind it. Every exact copy is a token of the model's dtype a layer and
+        # head (sinks, window and trims: 17 at L = 5, 23 pipelined).
         lookup = pld_lookup("turboquant", self.config.decode.pld_max_lookup)
-        reserve = 2 * (lookup + 1) if self.verify_pipeline else lookup
+        reserve = (2 if self.verify_pipeline else 1) * (lookup + 1)
         return make_kv_cache(self.model, kv.kind, kv.bits, short_passes=self.short_attention, trim_reserve=reserve)
 
     # -- prewarm ----------------------------------------------------------
