@@ -25,6 +25,7 @@ from ..decode import pld
 from ..decode.drafts import DraftPolicy
 from ..kernels.registry import keep_builds
 from ..transforms.attention import route_attention
+from ..transforms.quantized import on_cuda
 from ..config import (
     CPU_PLD_MAX_LOOKUP,
     DEFAULT_MAX_TOKENS,
@@ -157,7 +158,7 @@ def short_attention_wanted(setting: bool | None) -> bool:
     per new shape of a multi-query pass (cache/fp16.py)."""
     if setting is not None:
         return setting
-    return mx.default_device().type == mx.gpu and not mx.metal.is_available()
+    return on_cuda()
 
 
 def default_draft() -> str:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 # Rows from which a quantized product runs dense on MLX's CUDA backend ("auto"):
 # measured, quantized_matmul wins at 1 row, is even at 32 (over a layer's three
@@ -171,8 +171,6 @@ def float_dtype(model: nn.Module) -> mx.Dtype:
 def _dense_twin(module: nn.Module, fallback) -> nn.Module:
     """A quantized layer's dense counterpart holding its dequantized weight (in
     `_dense_dtype`) and its bias."""
-    from mlx_lm.models.switch_layers import SwitchLinear
-
     weight = dequantized(module, _dense_dtype(module, fallback))
     if isinstance(module, nn.QuantizedEmbedding):
         out = nn.Embedding(*weight.shape)
@@ -220,6 +218,7 @@ def device_memory() -> int | None:
 
 
 def on_cuda() -> bool:
+    """MLX's CUDA backend is the default device (a GPU that is not Metal)."""
     return mx.default_device().type == mx.gpu and not mx.metal.is_available()
 
 
