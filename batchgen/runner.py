@@ -343,9 +343,10 @@ def silence_stdout() -> None:
 
 
 def load_engine(cfg: RunConfig, tensor_group=None):
-    timer = Timer()  # mlx-lm's first import (transformers, and torch where installed) is part of loading
-    import mlx_lm  # noqa: F401
+    timer = Timer()  # mlx-lm's first import (transformers with it) is part of loading
+    from .engine.imports import import_mlx_lm
 
+    import_mlx_lm()
     from .engine.core import Engine, ModelLoadError
 
     imported = timer.elapsed_s

@@ -68,6 +68,9 @@ def warm_up(config: EngineConfig, kv_kinds: tuple[str, ...] = ("fp16",), batched
     """Load `config`'s model as a run does and run the warm-up jobs through
     each of `kv_kinds`, one at a time and (`batched`) as rows of a batch.
     Raises WarmupError where the model does not load or a job fails."""
+    from .engine.imports import import_mlx_lm
+
+    import_mlx_lm()  # before the engine imports it: without torch (engine/imports.py)
     from .engine.core import Engine, ModelLoadError, device_name
     from .kernels.registry import keep_builds
 
