@@ -98,6 +98,27 @@ def test_step_mode_matches_the_ops_path(step_on_cpu, name, options):
     same_stored(stepped, plain)
 
 
+def test_verify_passes_run_as_step_launches_and_trims_keep_the_window(step_on_cpu, monkeypatch):
+    """A 6-token pass is six launches of the step (not the ops path); a trim that stays
+    inside the window keeps step mode; one past the window's first slot settles. The
+    outputs are checked against the ops path by the schedules above."""
+    launches = []
+    real = STEP.kernel_form
+    monkeypatch.setattr(STEP, "kernel_form", lambda *a: launches.append(a[-3]) or real(*a))
+    k, v = kv(100, 7)
+    q = mx.random.normal((1, 4, 100, 64), key=mx.random.key(8))
+    c = TurboQuantStepKVCache(4, routed=True)
+    drive(c, [30] + [1] * 5, k, v, q)
+    assert len(launches) == 5 and c._win is not None
+    drive(c, [6], k[:, :, 35:], v[:, :, 35:], q[:, :, 35:])
+    assert len(launches) == 11 and c.offset == 41
+    c.trim(4)
+    assert c._win is not None and c.offset == 37 and c._win_n == 37 - c._win_r0
+    deep = 37 - c._win_r0 + 1  # past the window's first slot
+    c.trim(deep)
+    assert c._win is None and c.offset == 37 - deep
+
+
 def test_step_mode_counts_its_window_and_settles_for_state(step_on_cpu):
     k, v = kv(60, 3)
     q = mx.random.normal((1, 4, 60, 64), key=mx.random.key(4))
@@ -197,7 +218,9 @@ cuda = pytest.mark.cuda
                                                ((7, 1), 128, 300, mx.bfloat16),
                                                ((32, 2), 64, 900, mx.float32),  # 16 query heads a kv head
                                                ((8, 2), 256, 500, mx.float32),
-                                               ((2, 1), 64, 40000, mx.float32)])  # 105 chunks: the merge in 4 passes # fmt: skip
+                                               ((2, 1), 64, 40000, mx.float32),  # 105 chunks: the merge in 4 passes
+                                               ((8, 4), 32, 300, mx.float32),  # the demo model's heads
+                                               ((2, 1), 32, 5000, mx.float32)])  # 79 chunks of 64 # fmt: skip
 def test_step_kernel_matches_reference(heads, dim, n, dtype):
     """Many steps (window shifts, chunk splits), kernel vs reference on the same
     cache state each step: outputs within float32 rounding (2e-4; 2e-3 at D = 128, where
@@ -241,6 +264,25 @@ def kernel_steps(heads: tuple, dim: int, n: int, steps: int, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("name", ["pld", "trim after steps"])
+def test_step_kernel_passes_and_trims_match_the_ops_path(name, dim):
+    """The real kernel through verify passes as step launches and trims inside the
+    window: the ops path's outputs within float32 rounding (2e-4 of the largest; 2e-3
+    at D = 128, fp16 tensor-core operands)."""
+    schedule = SCHEDULES[name]
+    total = sum(x for x in schedule if isinstance(x, int))
+    k, v = kv(total, 51, dim=dim)
+    q = mx.random.normal((1, 4, total, dim), key=mx.random.key(52))
+    got = drive(TurboQuantStepKVCache(routed=True), schedule, k, v, q)
+    want = drive(tq.TurboQuantKVCache(routed=True), schedule, k, v, q)
+    tol = 2e-3 if dim == 128 else 2e-4
+    for i, (x, y) in enumerate(zip(got, want)):
+        err = mx.abs(x - y).max().item()
+        assert err <= tol * max(1.0, mx.abs(y).max().item()), (i, err)
+
+
+@cuda
 @pytest.mark.parametrize("heads,dim", [((14, 2), 64), ((28, 4), 128)])
 def test_flash_on_cuda_matches_the_blocked_path(heads, dim):
     """bf16 prefill chunks and a verify pass through cuDNN's fused attention: the
@@ -276,7 +318,7 @@ def test_step_meta_follows_the_fields(monkeypatch):
     assert fresh == [seq[0], seq[4]]  # the rest moved by 0 or 1
 
 
-@pytest.mark.parametrize("dim,tile", [(64, 128), (128, 256), (256, 256)])
+@pytest.mark.parametrize("dim,tile", [(32, 64), (64, 128), (128, 256), (256, 256)])
 def test_step_chunks_cover_the_positions_in_at_most_a_tile_of_chunks(dim, tile):
     for positions in (1, 127, 128, 129, 1000, 8192, 32768, 40000, 10**6):
         for rows in (1, 2, 3, 4, 28, 600):

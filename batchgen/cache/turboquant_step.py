@@ -7,10 +7,18 @@ Here `update_and_fetch` of one token only hands the token over; `attention` runs
 small window and attends over sinks + codes + window by the reading rule. The window's
 arrays: wx the slots' exact keys and values, wc their key and value codes, wq their
 scales (slots on axis 2); slot 0 holds position `_win_r0`, `_win_n` slots are in use,
-codes below position `_win_cb` are in the big buffers, above it in the window. Every
-`STEP_BLOCK` steps the window's codes go into the big buffers (a few ops). Anything
-else (a multi-token update, a trim, the state, a mask) first settles the cache back into
-the ordinary layout (`_settle`), so the base class never sees a window.
+codes below position `_win_cb` are in the big buffers, above it in the window;
+`_win_exact` is the first position the ordinary layout would still hold exactly (its
+recent copies), so that the kernel reads exactly what the ops path reads. Every
+`STEP_BLOCK` steps the window's codes go into the big buffers (a few ops).
+
+A short multi-token pass (a prompt-lookup verify pass, up to `STEP_QUERIES` tokens) runs
+as that many step launches a layer, token after token: the reading rule gives each query
+the same keys whatever the chunking, and a launch costs far less than the ops path's
+dozens of small ops (bench/RESULTS.md#turboquant-one-job-passes). A trim that stays
+inside the window only moves its marks back. Anything else (a long update, a deeper
+trim, the state, a mask) first settles the cache back into the ordinary layout
+(`_settle`), so the base class never sees a window.
 """
 
 from __future__ import annotations
@@ -35,9 +43,9 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         self._reset_transient()
 
     def _reset_transient(self) -> None:
-        self._step_new = None  # the token handed over by update_and_fetch
+        self._step_new = None  # the tokens handed over by update_and_fetch
         self._win = None
-        self._win_r0 = self._win_n = self._win_cb = 0
+        self._win_r0 = self._win_n = self._win_cb = self._win_exact = 0
 
     def _extra_arrays(self) -> tuple:
         return self._win or ()
@@ -49,10 +57,10 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
             self.routed = False
             self._absorb_step()
         self._arrive(keys, values)
-        if keys.shape[2] == 1 and self._steps():
-            # Step mode: `attention` stores the token (one kernel); nothing here.
+        if keys.shape[2] <= self.STEP_QUERIES and self._steps():
+            # Step mode: `attention` stores the tokens (a kernel launch each); nothing here.
             self._step_new = (keys, values)
-            self.offset += 1
+            self.offset += keys.shape[2]
             return keys, values
         self._leave_step()
         return self._update(keys, values)
@@ -66,6 +74,10 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         return super().attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     STEP_BLOCK = 32
+    # Passes of up to this many tokens run as step launches (prompt-lookup verify passes
+    # feed at most 2 x 6 for a TurboQuant job); longer ones (prompt chunks) take the ops
+    # path or cuDNN's fused attention, a launch or a few ops for all their queries.
+    STEP_QUERIES = 16
 
     def _steps(self) -> bool:
         """Whether a one-token update takes step mode."""
@@ -82,7 +94,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         _, n_heads, L, dim = queries.shape
         kv_heads = self._step_new[0].shape[1]
         return (
-            L == 1
+            L == self._step_new[0].shape[2]
             and not isinstance(mask, mx.array)
             and n_heads % kv_heads == 0
             and step_supported(dim, n_heads // kv_heads, self.key_bits, self.value_bits)
@@ -94,7 +106,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
             return
         keys, values = self._step_new
         self._step_new = None
-        self.offset -= 1
+        self.offset -= keys.shape[2]
         self._leave_step()
         self._chunk = None
         self._update(keys, values)
@@ -105,8 +117,8 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         self._absorb_step()
         self._leave_step()
 
-    def _enter_step(self, B: int, H: int, dtype):
-        p = self.offset - 1  # the handed-over token's position
+    def _enter_step(self, B: int, H: int, dtype, p: int):
+        """Into step mode before the token at position p."""
         n, slots, dim = self._n_recent, self._recent_capacity + self.STEP_BLOCK, self.key_dim
 
         exact = mx.zeros((B, H, slots, 2, dim), dtype)
@@ -115,7 +127,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
             exact = mx.concatenate([recent.astype(dtype), exact[:, :, n:]], axis=2)
         words = packed_words(dim, self.key_bits) + packed_words(dim, self.value_bits)
         self._win = (exact, mx.zeros((B, H, slots, words), mx.uint32), mx.zeros((B, H, slots, 2), mx.float16))
-        self._win_r0, self._win_n, self._win_cb = p - n, n, p
+        self._win_r0, self._win_n, self._win_cb, self._win_exact = p - n, n, p, p - n
         self.recent_keys = self.recent_values = None
         if self.key_codes is None:
             self._grow(B, H, 0, 1)
@@ -141,18 +153,17 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
             self.value_norms[:, :, t0:t1] = wq[:, :, lo:n, 1]
         self._win_cb = r0 + n
 
-    def _kept_slots(self) -> Optional[mx.array]:
-        """The window's exact keys and values worth keeping (the last
-        `_recent_capacity` slots in use), (B, H, n, 2, D); None if none."""
+    def _kept_slots(self, keep: int) -> Optional[mx.array]:
+        """The window's exact keys and values of the last `keep` slots in use, (B, H,
+        keep, 2, D); None if none."""
         n = self._win_n
-        keep = min(n, self._recent_capacity)
         return self._win[0][:, :, n - keep : n] if keep else None
 
     def _shift_window(self):
         """Room for the next token: flush, then move the kept slots to the front."""
         self._flush_window()
         wx, *coded = self._win
-        kept = self._kept_slots()
+        kept = self._kept_slots(min(self._win_n, self._recent_capacity))
         keep = 0 if kept is None else kept.shape[2]
         fresh = mx.zeros((*wx.shape[:2], wx.shape[2] - keep, *wx.shape[3:]), wx.dtype)
         self._win = (fresh if kept is None else mx.concatenate([kept, fresh], axis=2), *coded)
@@ -163,18 +174,46 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         if self._win is None:
             return
         self._flush_window()
-        kept = self._kept_slots()
+        # The recent copies the ordinary layout would hold: from `_win_exact` on.
+        kept = self._kept_slots(self._win_r0 + self._win_n - self._win_exact)
         self.recent_keys = None if kept is None else detach(kept[..., 0, :])
         self.recent_values = None if kept is None else detach(kept[..., 1, :])
         self._win = None
 
+    def trim(self, n: int) -> int:
+        """A trim that leaves the window's first slot in use only moves its marks back
+        (the slots past the new offset are written over by the next tokens); deeper
+        ones, and one with tokens handed over, settle first (the base class)."""
+        n = min(self.offset, n)
+        to = self.offset - n
+        if self._win is None or self._step_new is not None or to < max(self._win_r0, self.sink_tokens):
+            return super().trim(n)
+        self.offset = to
+        self._chunk = None
+        self._win_n = to - self._win_r0
+        self._win_cb = min(self._win_cb, to)  # codes from here on are read from the slots
+        self._win_exact = min(self._win_exact, to)
+        return n
+
     def _step_attention(self, queries: mx.array, scale: float) -> mx.array:
         keys, values = self._step_new
         self._step_new = None
-        B, H = keys.shape[:2]
+        B, H, L = keys.shape[:3]
+        first = self.offset - L
         if self._win is None:
-            self._enter_step(B, H, keys.dtype)
-        p = self.offset - 1
+            self._enter_step(B, H, keys.dtype, first)
+        if L == 1:
+            return self._step_one(queries, keys, values, first, scale)
+        outs = [
+            self._step_one(queries[:, :, i : i + 1], keys[:, :, i : i + 1], values[:, :, i : i + 1], first + i, scale)
+            for i in range(L)
+        ]
+        return mx.concatenate(outs, axis=2)
+
+    def _step_one(self, queries, keys, values, p: int, scale: float) -> mx.array:
+        """One kernel launch: the token at position p (keys, values (B, H, 1, D)) into
+        its slot, and the attention of its query."""
+        B, H = keys.shape[:2]
         if p - self._win_r0 >= self._win[0].shape[2]:
             self._shift_window()
         r0, S = self._win_r0, self.sink_tokens
@@ -184,7 +223,8 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         else:
             sinks = (constant(("nosink", B, H, self.key_dim, keys.dtype),
                                     lambda: mx.zeros((B, H, 1, self.key_dim), keys.dtype)),) * 2  # fmt: skip
-        e0 = max(S, p - self.window + 1, r0)
+        # Exact: the query's window, as far back as the ordinary layout's copies reach.
+        e0 = max(S, p - self.window + 1, self._win_exact)
         fields = (p, S, self.key_codes.shape[2], self._win_cb, r0, chunks, e0, self._win[0].shape[2],
                   sinks[0].shape[2], span)  # fmt: skip
         meta = step_meta(fields)
@@ -193,9 +233,9 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         out, self._win = STEP.kernel_form(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,
                                        (self.key_bits, self.value_bits))  # fmt: skip
         self._win_n = p - r0 + 1
+        # The ordinary layout keeps the last `_recent_capacity` tokens' copies.
+        self._win_exact = max(self._win_exact, p + 1 - self._recent_capacity)
         return out
-
-
 
 
 @lru_cache(maxsize=None)

@@ -154,9 +154,9 @@ def values(p: mx.array, codes: mx.array, bits: int, dim: int) -> mx.array:
 
 
 def encode_supported(dim: int) -> bool:
-    """Head dims the encoder (also the step's) takes: powers of two 64..256, the
+    """Head dims the encoder (also the step's) takes: powers of two 32..256, the
     rotation a Hadamard transform across a warp's lanes. Any codebook (1-5 bits)."""
-    return dim in (64, 128, 256)
+    return dim in (32, 64, 128, 256)
 
 
 def _encode_kernel(x: mx.array, bits: int, rot: Rotation) -> tuple[mx.array, mx.array]:
@@ -175,7 +175,7 @@ def _encode_kernel(x: mx.array, bits: int, rot: Rotation) -> tuple[mx.array, mx.
 
 def _encode_examples():
     return [((mx.random.normal((2, 3, 50, d), key=mx.random.key(d)), b, rotation(d, 3)), {})
-            for d, b in ((64, 5), (128, 3), (128, 2))]  # fmt: skip
+            for d, b in ((64, 5), (128, 3), (128, 2), (32, 5), (32, 3))]  # fmt: skip
 
 
 ENCODE = register(Op(
@@ -208,8 +208,9 @@ def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool
 
 def step_threads(dim: int) -> int:
     """The step kernel's threads a block (NT), also the positions it scores a tile
-    (TILE): 8 warps from D = 128, 4 below (bench/RESULTS.md#turboquant-step-kernel)."""
-    return 256 if dim > 64 else 128
+    (TILE): 8 warps from D = 128, 4 at 64 (bench/RESULTS.md#turboquant-step-kernel), 2
+    at 32 (the values' two groups of D lanes; the new token's two encoding warps)."""
+    return 256 if dim > 64 else 128 if dim > 32 else 64
 
 
 def step_chunks(positions: int, rows: int, dim: int) -> tuple:
@@ -380,7 +381,8 @@ def step_arguments(n_heads: int, kv_heads: int, dim: int, positions: int, *, sin
 
 def _step_examples():
     return [((*step_arguments(h, kv, d, n, seed=n),), {})
-            for h, kv, d, n in ((14, 2, 64, 700), (28, 4, 128, 3000), (32, 2, 64, 900), (8, 2, 256, 500))]  # fmt: skip
+            for h, kv, d, n in ((14, 2, 64, 700), (28, 4, 128, 3000), (32, 2, 64, 900), (8, 2, 256, 500),
+                                (8, 4, 32, 300))]  # fmt: skip
 
 
 STEP = register(Op(

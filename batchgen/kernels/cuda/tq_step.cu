@@ -23,7 +23,7 @@
 // above. meta: [p, S, cap, cb, r0, C (chunks), e0, N (window slots), SS (sink rows), span].
 #include "common.cuh"
 // --- body ---
-  constexpr int NT = D > 64 ? 256 : 128, NW = NT / 32, TILE = NT;
+  constexpr int NT = D > 64 ? 256 : D > 32 ? 128 : 64, NW = NT / 32, TILE = NT;
   constexpr int WK = D * KB / 32, WV = D * VB / 32, WC = WK + WV;
   // books: the rotation's signs, the scale, then each codebook's levels and edges.
   const float* sign = books;
