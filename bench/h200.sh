@@ -16,12 +16,13 @@
 #              convert), against mlx-lm's stream_generate on the same quantized model
 #   quantized_runs whole `batchgen run` processes on the 7B shape at 4 bits (QRUN_SHAPE), 256
 #              jobs, auto rows, --dense-weights on and off in turn (QRUN_ROUNDS, default 2)
-#   load       where a fresh `batchgen run` process's load goes (the summary's load_parts), two
-#              processes of jobs/example.jsonl, and the import of torch alone (transformers
-#              imports it wherever it is installed)
+#   load       where a fresh `batchgen run` process's load goes (the summary's load_parts): two
+#              rounds of jobs/example.jsonl, torch hidden from mlx-lm's import then visible
+#              (BATCHGEN_IMPORT_TORCH=1), and the import of torch alone
 #   tqprobe    TurboQuant one at a time: bench/turboquant_passes.py (plain steps and short verify
 #              passes against fp16 at 300 and 2,000 tokens of history), then bench/first_line.py
-#              over the first 40 edit jobs, fp16 and TurboQuant, fresh processes
+#              over the first 40 edit jobs, fp16 and TurboQuant, fresh processes (TQ_ROUNDS
+#              rounds; with BASELINE the TurboQuant rows of each side in turn)
 #   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
 #              samples against separate jobs (0.5B shape). Needs llguidance: its abi3 wheel
 #              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
@@ -143,21 +144,33 @@ EOF
   return 0
 }
 
-stage_load() {
-  local i
+stage_load() {  # each round: torch hidden from mlx-lm's import (the default), then left visible
+  local i t
   for i in 1 2; do
-    step "load_run_$i" 120 python3 -m batchgen run jobs/example.jsonl -o "/tmp/load_$i.jsonl" --summary "$R/load_run_$i.summary.json"
+    for t in 0 1; do
+      step "load_run_${i}_torch$t" 120 env BATCHGEN_IMPORT_TORCH=$t python3 -m batchgen run jobs/example.jsonl \
+        -o "/tmp/load_${i}_$t.jsonl" --summary "$R/load_run_${i}_torch$t.summary.json"
+    done
   done
   step load_torch 60 python3 -c "import time; t = time.perf_counter(); import torch; print('torch import', round(time.perf_counter() - t, 2), 's')"
   return 0
 }
 
-stage_tqprobe() {
-  step tq_passes 200 python3 bench/turboquant_passes.py --contexts 300,2000 --lengths 1,6 --out "$R/tq_passes.json"
+stage_tqprobe() {  # with BASELINE, each side in turn; TQ_ROUNDS (default 1) fresh-process rounds
+  local s round
+  for s in $(sides); do
+    step "tq_passes_$s" 200 $(side "$s") python3 bench/turboquant_passes.py --contexts 300,2000 --lengths 1,6 \
+      --out "$R/tq_passes_$s.json"
+  done
   head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
-  step fl_fp16 120 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_fp16.json" -- --batch-size 1
-  step fl_tq 200 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_tq.json" -- --batch-size 1 \
-    --kv-cache turboquant
+  for round in $(seq "${TQ_ROUNDS:-1}"); do
+    step "fl_fp16_$round" 120 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_fp16_$round.json" \
+      -- --batch-size 1
+    for s in $(sides); do
+      step "fl_tq_${s}_$round" 200 $(side "$s") python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 \
+        --out "$R/fl_tq_${s}_$round.json" -- --batch-size 1 --kv-cache turboquant
+    done
+  done
   return 0
 }
 
