@@ -74,13 +74,13 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         return super().attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     STEP_BLOCK = 32
-    # Passes of up to this many tokens run as step launches (prompt-lookup verify passes
-    # feed at most 2 x 6 for a TurboQuant job); longer ones (prompt chunks) take the ops
-    # path or cuDNN's fused attention, a launch or a few ops for all their queries.
+    # Passes of up to this many tokens run as step launches (a TurboQuant job's verify
+    # pass feeds at most TURBOQUANT_MAX_LOOKUP + 1 = 6); longer ones (prompt chunks) take
+    # the ops path or cuDNN's fused attention, a launch or a few ops for all their queries.
     STEP_QUERIES = 16
 
     def _steps(self) -> bool:
-        """Whether a one-token update takes step mode."""
+        """Whether an update of up to `STEP_QUERIES` tokens takes step mode."""
         return (
             self.routed
             and self.window >= 1

@@ -2,8 +2,7 @@
 
 mlx-lm loads tokenizers through transformers, and transformers imports torch wherever
 torch is installed (and through torch-only modules scikit-learn and sympy), although a
-tokenizer needs none of it: on the H200 machine `import mlx_lm` took 12 s, 3.2 s of it
-torch's import and most of the rest what transformers loads because torch is there
+tokenizer needs none of it, and on the H200 machine it was most of a tiny model's load
 (bench/RESULTS.md#load-time). A `batchgen run` from cron pays that every process.
 
 So while mlx-lm is first imported, torch is hidden: `sys.modules["torch"] = None` makes
