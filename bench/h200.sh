@@ -23,6 +23,10 @@
 #              passes against fp16 at 300 and 2,000 tokens of history), then bench/first_line.py
 #              over the first 40 edit jobs, fp16 and TurboQuant, fresh processes (TQ_ROUNDS
 #              rounds; with BASELINE the TurboQuant rows of each side in turn)
+#   builds     batchgen's kernel builds kept on disk or not (kernels/builds.py): its cuda test
+#              (MLX loads a kept build), then fresh TurboQuant one-at-a-time processes over the
+#              first 40 edit jobs: BATCHGEN_KERNEL_BUILDS=0 (MLX compiles them in every process),
+#              then kept, twice (the first writes them, the second loads them); fp16 for scale
 #   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
 #              samples against separate jobs (0.5B shape). Needs llguidance: its abi3 wheel
 #              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
@@ -171,6 +175,20 @@ stage_tqprobe() {  # with BASELINE, each side in turn; TQ_ROUNDS (default 1) fre
         --out "$R/fl_tq_${s}_$round.json" -- --batch-size 1 --kv-cache turboquant
     done
   done
+  return 0
+}
+
+stage_builds() {
+  step builds_test 300 python3 -m pytest -q -x -p no:cacheprovider -m cuda tests/test_kernel_builds.py || return 1
+  head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
+  step fl_fp16 120 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_fp16.json" -- --batch-size 1
+  find ~/.cache/batchgen/mlx-kernels -name 'custom_kernel_*' -delete 2>/dev/null
+  local k
+  for k in off kept1 kept2; do
+    step "fl_tq_$k" 200 env BATCHGEN_KERNEL_BUILDS=$([[ $k == off ]] && echo 0 || echo 1) python3 bench/first_line.py \
+      /tmp/edits40.jsonl --runs 1 --out "$R/fl_tq_$k.json" -- --batch-size 1 --kv-cache turboquant
+  done
+  find ~/.cache/batchgen/mlx-kernels -name 'custom_kernel_*.ptx' | wc -l >"$R/kept_builds.txt"
   return 0
 }
 

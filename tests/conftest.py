@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # Float32 exactness means float32: MLX's CUDA backend runs float32 matmuls as TF32
@@ -7,6 +8,10 @@ from pathlib import Path
 # part at a near-tie (bench/RESULTS.md#float32-on-cuda). Set before anything imports MLX;
 # no effect on the CPU.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# On a CUDA machine, kernels build as in a run, kept in a build folder (kernels/builds.py
+# writes batchgen's own there): one of this session's, so the kernel tests run builds made
+# now, not ones an earlier version left. No effect on the CPU.
+os.environ.setdefault("MLX_PTX_CACHE_DIR", tempfile.mkdtemp(prefix="batchgen-test-kernels-"))
 
 import pytest
 

@@ -3,7 +3,7 @@
 An op (`Op`) names
     source      a `.cu` file under `cuda/` (helpers from `common.cuh`, then the kernel's
                 body; `load_source` expands its `#include "x.cuh"` lines) whose kernel
-                MLX's `mx.fast.cuda_kernel` builds at first use;
+                MLX's `mx.fast.cuda_kernel` runs, built once per machine (`builds.py`);
     runs        the condition under which the kernel form runs, given the call's
                 arguments (shapes, dtypes, head sizes); besides it a CUDA GPU must be
                 the default device (`available`);
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
+
+from .builds import KeptKernel
 
 CUDA_DIR = Path(__file__).with_name("cuda")
 BODY_MARK = "// --- body ---"
@@ -116,11 +118,9 @@ class Op:
 
 
 def build_name(name: str, header: str, body: str) -> str:
-    """The name MLX builds a kernel under: the op's name and a digest of its source.
-
-    MLX keeps built kernels on disk (`MLX_PTX_CACHE_DIR`) by name and template
-    arguments alone, and reuses them in every later process: a kernel whose
-    source changed under the same name would load the old build.
+    """The name MLX builds a kernel under: the op's name and a digest of its source,
+    so that a changed source is a new kernel by name, in profiles and in the build
+    files alike (MLX's own module names hash the whole generated source too).
 
     >>> build_name("tq_step", "h", "b") == build_name("tq_step", "h", "b") != build_name("tq_step", "h", "b2")
     True
@@ -131,15 +131,28 @@ def build_name(name: str, header: str, body: str) -> str:
 @lru_cache(maxsize=None)
 def _cuda_kernel(name: str, source: str, inputs: tuple, outputs: tuple, contiguous: bool):
     header, body = load_source(source)
-    return mx.fast.cuda_kernel(name=build_name(name, header, body), input_names=list(inputs),
-                               output_names=list(outputs), source=body, header=header,
-                               ensure_row_contiguous=contiguous)  # fmt: skip
+    built = build_name(name, header, body)
+    kernel = mx.fast.cuda_kernel(name=built, input_names=list(inputs), output_names=list(outputs), source=body,
+                                 header=header, ensure_row_contiguous=contiguous)  # fmt: skip
+    kept = kept_dir()
+    return kernel if kept is None else KeptKernel(kernel, built, header, body, inputs, outputs, kept)
+
+
+def kept_dir() -> Path | None:
+    """Where this process's kernel builds are kept (`keep_builds`), or None: not on
+    CUDA, no build directory set, or `BATCHGEN_KERNEL_BUILDS=0` (MLX then compiles
+    these ops' kernels in every process, as it does by itself)."""
+    if os.environ.get("BATCHGEN_KERNEL_BUILDS", "1") == "0" or not os.environ.get("MLX_PTX_CACHE_DIR"):
+        return None
+    return Path(os.environ["MLX_PTX_CACHE_DIR"]) if available() else None
 
 
 def keep_builds(root: Path | None = None) -> Path | None:
-    """Keep MLX's CUDA kernel builds (its own and these ops') across processes
-    and reboots, one directory per MLX version and GPU kind: a fresh process
-    then loads what an earlier one built instead of compiling it again. MLX's
+    """Keep CUDA kernel builds across processes and reboots, one directory per MLX
+    version and GPU kind: a fresh process then loads what an earlier one built
+    instead of compiling it again. MLX writes its own kernels' builds there; these
+    ops' builds are written by `builds.KeptKernel` (MLX reads them but never writes
+    them: kernels/builds.py). MLX's
     default is a directory under the system's temporary folder named by MLX's
     version alone, which a reboot may empty and a second GPU kind would share
     (builds are named by kernel and shape, not by device). A directory the
