@@ -51,14 +51,16 @@ def main() -> None:
     for (op, kernel, dtype), v in sorted(example_variants().items()):
         t = time.perf_counter()
         cubin, _ = nvrtc.compile(v.source(), v.kernel_name, arch, {builds.UTILS_NAME: builds.UTILS_CUH})
-        rows.append({"op": op, "kernel": kernel, "dtype": dtype, "seconds": time.perf_counter() - t, "bytes": len(cubin)})
+        seconds = time.perf_counter() - t
+        rows.append({"op": op, "kernel": kernel, "dtype": dtype, "seconds": seconds, "bytes": len(cubin)})
         print(f"{rows[-1]['seconds']:6.2f} s  {len(cubin):7d} B  {kernel} ({dtype})", flush=True)
     by_op = {}
     for r in rows:
         by_op.setdefault(r["op"], []).append(r["seconds"])
     for op, s in sorted(by_op.items()):
         print(f"{op:18s} {len(s):2d} variants, median {statistics.median(s):.2f} s")
-    print(f"all {len(rows)} variants: {sum(r['seconds'] for r in rows):.1f} s (NVRTC {nvrtc.version}, {platform.processor() or platform.machine()})")
+    total = sum(r["seconds"] for r in rows)
+    print(f"all {len(rows)} variants: {total:.1f} s (NVRTC {nvrtc.version}, {platform.machine()})")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"nvrtc": nvrtc.version, "arch": arch, "rows": rows}, f, indent=1)

@@ -12,6 +12,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 # writes batchgen's own there): one of this session's, so the kernel tests run builds made
 # now, not ones an earlier version left. No effect on the CPU.
 os.environ.setdefault("MLX_PTX_CACHE_DIR", tempfile.mkdtemp(prefix="batchgen-test-kernels-"))
+os.environ.setdefault("BATCHGEN_KERNEL_BUILDS", "1")
 
 import pytest
 

@@ -149,13 +149,28 @@ def test_without_nvrtc_kernels_run_unkept_and_say_so_once(tmp_path, monkeypatch,
     assert capsys.readouterr().err == "batchgen: kernel builds are not kept (no NVRTC library found)\n"
 
 
+def test_a_folder_that_takes_no_files_stops_the_builds_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(builds, "_state", {"nvrtc": nvrtc_or_skip(), "arch": (9, 0)})
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    kept = builds.KeptKernel(lambda **kw: "ran", "tiny_1", "", BODY, ("x", "s"), ("out",), blocked)
+    for n in (1, 2):
+        assert kept(inputs=[mx.zeros((2, 3)), mx.zeros(1)], template=[("N", n)], output_dtypes=[mx.float32]) == "ran"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("batchgen: kernel builds are not kept (")
+    assert isinstance(builds._state["nvrtc"], OSError)
+
+
 def test_registry_keeps_builds_only_where_a_directory_is_set(monkeypatch, tmp_path):
     monkeypatch.setattr(registry, "available", lambda: True)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHGEN_KERNEL_BUILDS", "1")
     assert registry.kept_dir() == tmp_path
     monkeypatch.setenv("BATCHGEN_KERNEL_BUILDS", "0")
     assert registry.kept_dir() is None
     monkeypatch.delenv("BATCHGEN_KERNEL_BUILDS")
+    assert (registry.kept_dir() == tmp_path) == (registry.KERNEL_BUILDS_DEFAULT == "1")
+    monkeypatch.setenv("BATCHGEN_KERNEL_BUILDS", "1")
     monkeypatch.delenv("MLX_PTX_CACHE_DIR")
     assert registry.kept_dir() is None
 

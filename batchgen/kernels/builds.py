@@ -246,7 +246,8 @@ class Nvrtc:
             expr = f"mlx::core::cu::{kernel}".encode()
             self._check(lib.nvrtcAddNameExpression(prog, expr), "nvrtcAddNameExpression")
             major, minor = arch
-            opts = ["--device-as-default-execution-space", f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"]
+            arch_flag = f"--gpu-architecture=sm_{major}{minor}{'a' if major >= 9 else ''}"
+            opts = ["--device-as-default-execution-space", arch_flag]
             opts += [f"--include-path={d}" for d in include_dirs()]
             argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
             code = lib.nvrtcCompileProgram(prog, len(opts), argv)
@@ -332,6 +333,9 @@ def ensure(k: KeptKernel, inputs, template, output_dtypes) -> Path | None:
         return None
     try:
         return build(_state["nvrtc"], v, _state["arch"], k.cache_dir)
-    except (BuildError, OSError) as e:
+    except BuildError as e:
         print(f"batchgen: kernel {k.name} not kept ({str(e).splitlines()[0]})", file=sys.stderr)
-        return None
+    except OSError as e:  # the folder takes no files: none of the next builds would land either
+        _state["nvrtc"] = e
+        print(f"batchgen: kernel builds are not kept ({e})", file=sys.stderr)
+    return None
