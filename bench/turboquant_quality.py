@@ -87,7 +87,8 @@ class Spec:
 
     def ratio(self, d: int, tokens: int = 1024) -> float:
         """Bytes against fp16 as TurboQuantKVCache holds them: sinks exact, codes for
-        every later token, exact copies of window - 1 + trim_reserve (5) tokens."""
+        every later token, exact copies of window - 1 + trim_reserve tokens (the
+        default reserve, codec.DEFAULT_TRIM_RESERVE)."""
         recent = self.window - 1 + codec.DEFAULT_TRIM_RESERVE if self.window else 0
         coded = tokens - min(tokens, self.sink)
         bits = coded * (self.k.bits_per_coord(d) + self.v.bits_per_coord(d))

@@ -72,7 +72,9 @@ def fetch_all(cache):
 
 def appended(first, drop, extra, seed=3, **options):
     """(cache that got `first` tokens, lost `drop`, got `extra`; cache that got the
-    first - drop tokens, then the same `extra`)."""
+    first - drop tokens, then the same `extra`). Both keep copies for trims of up to 5
+    tokens unless `options` say otherwise (the default cache keeps none)."""
+    options.setdefault("trim_reserve", 5)
     k, v = kv(first + extra, seed)
     a = tq.TurboQuantKVCache(4, **options)
     a.update_and_fetch(k[:, :, :first], v[:, :, :first])
@@ -86,7 +88,7 @@ def appended(first, drop, extra, seed=3, **options):
 
 @pytest.mark.parametrize("first,drop", [(20, 5), (300, 5), (6, 4), (3, 2), (40, 1)])
 def test_trim_then_append_equals_appending_fewer(first, drop):
-    # Within trim_reserve (5, the engine's default draft length) everything matches:
+    # Within trim_reserve (5 here) everything matches:
     # codes, sinks, exact recent copies, and what is fetched.
     a, b, fa, fb = appended(first, drop, 9)
     for x, y in zip(a.state, b.state):
@@ -222,7 +224,7 @@ def test_unrouted_cache_falls_back_to_fetch():
 
 
 def test_state_round_trip_and_copy():
-    c = tq.TurboQuantKVCache(3, sink_tokens=2, seed=9)
+    c = tq.TurboQuantKVCache(3, sink_tokens=2, seed=9, trim_reserve=5)
     c.update_and_fetch(*kv(30, 5, dtype=mx.bfloat16))
     c.trim(3)
     d = tq.TurboQuantKVCache.from_state(c.state)
@@ -276,12 +278,16 @@ def test_nbytes_at_most_030_of_fp16_from_512_tokens(dim):
     c.update_and_fetch(k, v)
     ratio = c.nbytes / ref.nbytes
     assert ratio <= 0.30, ratio
-    # What is counted: 4 sink tokens and 8 - 1 + 5 recent copies (fp16), codes for
-    # positions 4.. (capacity in 256-token steps: 512) with two fp16 norms each.
+    # What is counted: 4 sink tokens and 8 - 1 recent copies (fp16), codes for
+    # positions 4.. (capacity in 256-token steps: 512) with two fp16 norms each; a
+    # reserve for trims keeps that many copies more.
     words = packed_words(dim, 5) + packed_words(dim, 3)
-    exact = (4 + 12) * 4 * dim * 2 * 2
+    exact = (4 + 7) * 4 * dim * 2 * 2
     coded = 512 * 4 * (words * 4 + 2 * 2)
     assert c.nbytes == exact + coded
+    reserved = tq.TurboQuantKVCache(4, trim_reserve=5)
+    reserved.update_and_fetch(k, v)
+    assert reserved.nbytes == c.nbytes + 5 * 4 * dim * 2 * 2
     small = tq.TurboQuantKVCache(3)
     small.update_and_fetch(k, v)
     assert small.nbytes < c.nbytes
@@ -291,6 +297,23 @@ def test_nbytes_at_most_030_of_fp16_from_512_tokens(dim):
         ref.update_and_fetch(*step)
         c.update_and_fetch(*step)
     assert c.nbytes / ref.nbytes <= 0.30
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("tokens", [300, 520, 900])
+def test_fewer_bytes_than_mlx_lm_4_bit_cache_in_float32(dim, tokens):
+    """The comparison bench/turboquant_demo_quality.py makes (float32, caches made
+    outside the engine), at lengths of its jobs: mlx-lm's 4-bit cache holds 4 + 2 x 32
+    bits a group of 64 (its scales and biases in float32) and capacity in 256-token
+    steps; this one 5 + 3 bits a pair, two fp16 scales, 11 exact float32 tokens."""
+    k, v = kv(tokens, 2, heads=2, dim=dim)
+    mine, theirs = tq.TurboQuantKVCache(4), QuantizedKVCache(group_size=64, bits=4)
+    mine.update_and_fetch(k, v)
+    theirs.update_and_fetch(k, v)
+    cap = -(-tokens // 256) * 256
+    assert theirs.nbytes == cap * 2 * 2 * (dim // 2 + dim // 64 * 2 * 4)
+    assert mine.nbytes == 11 * 2 * dim * 4 * 2 + -(-(tokens - 4) // 256) * 256 * 2 * (dim + 4)
+    assert mine.nbytes < theirs.nbytes
 
 
 def test_bad_arguments_fail_early():
@@ -402,10 +425,24 @@ def test_attention_hook_matches_dequantize_on_fetch(tiny_models):
     assert qwen3_next.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
+@pytest.mark.parametrize("arch,shape", [("qwen2", dict(hidden_size=256, num_attention_heads=4)),
+                                        ("llama", dict(hidden_size=256, num_attention_heads=2))])  # fmt: skip
+def test_copies_kept_for_trims_change_nothing_plain_decoding_reads(model_dir, arch, shape):
+    """Head dims 64 and 128: without trims a query reads only the last window - 1 copies,
+    so a cache keeping five more for trims gives the same logits, float32, bit for bit
+    (the default keeps none: codec.DEFAULT_TRIM_RESERVE)."""
+    model, _ = mlx_lm.load(str(model_dir(arch, **shape)))
+    tokens = random_tokens(100, seed=5)
+    plain = teacher_forced_logits(model, tokens, make_turboquant_cache(model, 4), 60)
+    kept = make_turboquant_cache(model, 4, trim_reserve=5)
+    assert mx.array_equal(plain, teacher_forced_logits(model, tokens, kept, 60))
+    assert kept[0].recent_keys.shape[2] == 8 - 1 + 5
+
+
 def test_4bit_at_least_as_close_as_mlx_affine_4bit(model_dir):
     """qwen2 with head_dim 64 and a large key bias on 4 channels per head (the key
     outlier channels of trained Qwen2 models), 1040 tokens: both caches then hold
-    0.28x of fp16 (ours: 8 bits + 2 norms per coordinate pair, plus 16 exact tokens;
+    0.28x of fp16 (ours: 8 bits + 2 norms per coordinate pair, plus 11 exact tokens;
     affine: 9 bits per pair)."""
     path = model_dir("qwen2", hidden_size=256, num_attention_heads=4)
     model, _ = mlx_lm.load(str(path))  # a fresh copy: its weights are changed below

@@ -71,7 +71,7 @@ def same_stored(a, b):
 
 
 SCHEDULES = {
-    # 90 steps cross the 44-slot window twice (8 - 1 + 5 kept + 32 new).
+    # 90 steps cross the 44-slot window twice (8 - 1 + 5 kept + 32 new, with a reserve of 5).
     "steps": [40] + [1] * 90,
     # prompt-lookup: verify chunks and trims between steps, a trim past the reserve.
     "pld": [30] + [1] * 20 + [6, ("trim", 4)] + [1] * 40 + [5, ("trim", 9)] + [1] * 30,
@@ -81,7 +81,9 @@ SCHEDULES = {
 }
 
 
-@pytest.mark.parametrize("options", [{}, {"sink_tokens": 0}, {"window": 1, "trim_reserve": 0}, {"bits": 3}])
+# The engine's jobs keep copies for trims (a reserve); a cache made outside it keeps none.
+@pytest.mark.parametrize("options", [{"trim_reserve": 5}, {}, {"sink_tokens": 0, "trim_reserve": 5}, {"window": 1},
+                                     {"bits": 3, "trim_reserve": 5}])  # fmt: skip
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_step_mode_matches_the_ops_path(step_on_cpu, name, options):
     schedule = SCHEDULES[name]
@@ -173,7 +175,7 @@ def test_model_decodes_the_same_in_step_mode(step_on_cpu, model_dir):
     assert mx.allclose(stepped, plain, atol=1e-4), mx.abs(stepped - plain).max()
 
 
-@pytest.mark.parametrize("options", [{}, {"sink_tokens": 0}, {"window": 1, "trim_reserve": 0}])
+@pytest.mark.parametrize("options", [{"trim_reserve": 5}, {}, {"sink_tokens": 0, "trim_reserve": 5}, {"window": 1}])
 @pytest.mark.parametrize("name", ["pld", "short prompt"])
 def test_flash_multi_query_passes_match_the_blocked_path(step_on_cpu, monkeypatch, name, options):
     """Prefill chunks and prompt-lookup verify passes (with trims) as one masked
@@ -264,9 +266,10 @@ def kernel_steps(heads: tuple, dim: int, n: int, steps: int, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("reserve", [0, 12])  # a cache's default; the engine's on a GPU, 2 x (5 + 1)
 @pytest.mark.parametrize("dim", [32, 64, 128])
 @pytest.mark.parametrize("name", ["pld", "trim after steps"])
-def test_step_kernel_passes_and_trims_match_the_ops_path(name, dim):
+def test_step_kernel_passes_and_trims_match_the_ops_path(name, dim, reserve):
     """The real kernel through verify passes as step launches and trims inside the
     window: the ops path's outputs within float32 rounding (2e-4 of the largest; 2e-3
     at D = 128, fp16 tensor-core operands)."""
@@ -274,8 +277,8 @@ def test_step_kernel_passes_and_trims_match_the_ops_path(name, dim):
     total = sum(x for x in schedule if isinstance(x, int))
     k, v = kv(total, 51, dim=dim)
     q = mx.random.normal((1, 4, total, dim), key=mx.random.key(52))
-    got = drive(TurboQuantStepKVCache(routed=True), schedule, k, v, q)
-    want = drive(tq.TurboQuantKVCache(routed=True), schedule, k, v, q)
+    got = drive(TurboQuantStepKVCache(routed=True, trim_reserve=reserve), schedule, k, v, q)
+    want = drive(tq.TurboQuantKVCache(routed=True, trim_reserve=reserve), schedule, k, v, q)
     tol = 2e-3 if dim == 128 else 2e-4
     for i, (x, y) in enumerate(zip(got, want)):
         err = mx.abs(x - y).max().item()

@@ -23,12 +23,10 @@ decode steps as one kernel; cache/factory.py's `make_turboquant_cache` picks the
 
 Bytes per token per kv head and layer: (kb + vb) * d / 8 for codes + 4 for the two
 scales, against 4 * d for fp16 (0.266x at d=64, 0.258x at d=128, bits=4), plus
-(sink_tokens + window - 1 + trim_reserve) = 16 exact tokens. `nbytes` (the allocated
-bytes, capacity in 256-token steps like mlx-lm's KVCache) is <= 0.30x of an fp16
-KVCache's from 512 tokens on for head_dim 64 and 128 at bits=4; below that the 16 exact
-tokens dominate. mlx-lm's affine 4-bit cache holds 9 bits per coordinate pair (0.281x);
-this cache holds fewer bytes than it from ~700 tokens (d=128) or ~1000 tokens (d=64) on.
-Quality against mlx-lm's 4-bit cache: bench/RESULTS.md#turboquant-bit-split.
+sink_tokens + window - 1 + trim_reserve exact tokens (11 by default; the engine's jobs
+with prompt lookup keep 17 or 23). `nbytes` counts allocated bytes, capacity in 256-token
+steps like mlx-lm's KVCache. mlx-lm's affine 4-bit cache holds 9 bits per coordinate
+pair in fp16 (0.281x); against it: bench/RESULTS.md#turboquant-quality-on-models-it-was-not-tuned-on.
 """
 
 from __future__ import annotations

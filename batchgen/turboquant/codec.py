@@ -310,10 +310,15 @@ BIT_SPLITS = {4: (5, 3), 3: (4, 2), 2: (2, 2)}
 # single quality gain, bench/RESULTS.md#turboquant-bit-split).
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_WINDOW = 8
-# Trims of up to this many tokens keep the window exact: a cache made outside the
-# engine; the engine passes 2 * (its pld_max_lookup + 1), a verify pass and the
-# pipelined one behind it (Engine.make_cache).
-DEFAULT_TRIM_RESERVE = 5
+# Trims of up to this many tokens keep the window exact (exact copies of the last
+# window - 1 + reserve tokens, each a token in the model's dtype per layer and head). A
+# cache made outside the engine keeps none: plain decoding never trims, and after a
+# trim past the reserve attention stays right but reads codes where copies were gone
+# (not token-equal to plain decoding). The engine passes what its verify passes roll
+# back, (L + 1) or, pipelined, 2 * (L + 1) (Engine.make_cache). Five copies were 4-6%
+# of a 4-bit cache's bytes at 300-900 tokens, what put it above mlx-lm's 4-bit cache
+# there (bench/RESULTS.md#turboquant-quality-on-models-it-was-not-tuned-on).
+DEFAULT_TRIM_RESERVE = 0
 
 
 def resolve_bits(bits: int) -> Tuple[int, int]:
