@@ -4,7 +4,8 @@ and keep the builds on disk for every later process.
 On MLX's CUDA backend a process builds each kernel the first time a shape and
 type needs it; `kernels.registry.keep_builds` keeps those builds per MLX
 version and GPU kind (MLX writes its own kernels' builds, kernels/builds.py
-batchgen's), so a machine's first process pays them and later ones load them. A cron schedule's first run pays them at its own time; this
+batchgen's), so a machine's first process pays them and later ones load
+them. A cron schedule's first run pays them at its own time; this
 command pays them ahead of it: a few short jobs through each path a run
 takes (one job at a time with prompt lookup, and batched rows; fp16 and
 TurboQuant caches; prompts of a few lengths, so prompt passes of several

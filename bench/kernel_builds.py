@@ -50,7 +50,7 @@ def main() -> None:
     rows = []
     for (op, kernel, dtype), v in sorted(example_variants().items()):
         t = time.perf_counter()
-        cubin, _ = nvrtc.compile(v.source(), v.kernel_name, arch, {builds.UTILS_NAME: builds.UTILS_CUH})
+        cubin, _ = nvrtc.compile_variant(v, arch)
         seconds = time.perf_counter() - t
         rows.append({"op": op, "kernel": kernel, "dtype": dtype, "seconds": seconds, "bytes": len(cubin)})
         print(f"{rows[-1]['seconds']:6.2f} s  {len(cubin):7d} B  {kernel} ({dtype})", flush=True)

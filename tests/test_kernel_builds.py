@@ -51,7 +51,7 @@ def test_source_is_the_one_mlx_builds_for_the_launch():
     `_shape`), the constants, the body."""
     v = tiny_variant()
     assert v.kernel_name == "custom_kernel_tiny_1_4_2"
-    assert v.source() == (
+    assert v.source == (
         '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
         "// helpers\n"
         "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
@@ -66,12 +66,12 @@ def test_source_is_the_one_mlx_builds_for_the_launch():
         f"{BODY}\n"
         "}\n\n} // namespace mlx::core::cu\n"
     )
-    assert v.module_name() == f"custom_kernel_tiny_1_4_2_{builds.std_hash(v.source().encode()):x}"
+    assert v.module_name == f"custom_kernel_tiny_1_4_2_{builds.std_hash(v.source.encode()):x}"
 
 
 def test_a_zero_dim_input_gets_no_shape_parameters_and_no_template_no_constants():
     v = builds.variant("t", "", "out[0] = x_shape[0];", ("x",), ("out",), [mx.array(1.0)], [mx.float32])
-    assert "Shape" not in v.source() and "constexpr" not in v.source() and v.kernel_name == "custom_kernel_t"
+    assert "Shape" not in v.source and "constexpr" not in v.source and v.kernel_name == "custom_kernel_t"
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def nvrtc_or_skip() -> builds.Nvrtc:
 def test_build_writes_the_cubin_and_its_mangled_name(tmp_path):
     v = tiny_variant()
     path = builds.build(nvrtc_or_skip(), v, (9, 0), tmp_path)
-    assert path == tmp_path / f"{v.module_name()}.ptx"
+    assert path == tmp_path / f"{v.module_name}.ptx"
     assert path.read_bytes()[:4] == b"\x7fELF"
     name, mangled = path.with_suffix(".txt").read_text().rstrip("\n").split("\t")
     assert name == "mlx::core::cu::custom_kernel_tiny_1_4_2" and mangled.startswith("_ZN3mlx4core2cu")
@@ -188,8 +188,8 @@ v = builds.variant("probe_{tag}", "", body, ("x",), ("out",), [x], [mx.float32])
 w = builds.variant("probe_{tag}", "", other, ("x",), ("out",), [x], [mx.float32])
 info = mx.device_info()
 arch = (int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
-cubin, mangled = builds.Nvrtc().compile(w.source(), w.kernel_name, arch, {{builds.UTILS_NAME: builds.UTILS_CUH}})
-path = builds.ptx_path(cache, v.module_name())
+cubin, mangled = builds.Nvrtc().compile_variant(w, arch)
+path = builds.ptx_path(cache, v.module_name)
 path.with_suffix(".txt").write_text(f"mlx::core::cu::{{v.kernel_name}}\\t{{mangled}}\\n")
 path.write_bytes(cubin)
 k = mx.fast.cuda_kernel(name="probe_{tag}", input_names=["x"], output_names=["out"], source=body)

@@ -133,7 +133,7 @@ def test_sources_compile_for_their_examples(monkeypatch, examples):
         v = builds.variant(registry.build_name(name, op_header, body), op_header, body, op.inputs, op.outputs,
                            seen["inputs"], seen["output_dtypes"], seen["template"])  # fmt: skip
         assert v is not None, name
-        cubin, mangled = nvrtc.compile(v.source(), v.kernel_name, (9, 0), {builds.UTILS_NAME: builds.UTILS_CUH})
+        cubin, mangled = nvrtc.compile_variant(v, (9, 0))
         assert cubin[:4] == b"\x7fELF" and v.kernel_name in mangled, name
 
 

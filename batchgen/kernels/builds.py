@@ -5,12 +5,12 @@ MLX compiles an `mx.fast.cuda_kernel` with NVRTC the first time a process launch
 build directory (`MLX_PTX_CACHE_DIR`; mlx/backend/cuda/custom_kernel.cpp passes
 `use_disk_cache=false`). It does read the directory first, under the module name
 `{kernel name}_{std::hash(source):x}`. So every process paid NVRTC for every kernel
-variant it ran again (about 1.5 s each for a trivial kernel with MLX's headers on a 2-core
-CPU): TurboQuant, with its encoders and step kernel, most of all.
+variant it ran again (bench/RESULTS.md#kernel-builds): TurboQuant, with its encoders and
+step kernel, most of all.
 
 This module writes those files itself, before MLX's first launch of a variant: the
-source MLX generates for that launch (`kernel_source`, after its `build_kernel`), its
-module name (`module_name`), compiled by the NVRTC library MLX links (for the device's
+source MLX generates for that launch (`Variant.source`, after its `build_kernel`), its
+module name (`Variant.module_name`), compiled by the NVRTC library MLX links (for the device's
 architecture, as MLX compiles) into the two files MLX reads (`<module>.ptx`, the cubin,
 and `<module>.txt`, the kernel's mangled name). The first process on a machine pays the
 compile as before; every later one loads the cubin.
@@ -30,6 +30,7 @@ import ctypes
 import os
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -106,6 +107,7 @@ class Variant:
         """custom_kernel.cpp: "custom_kernel_" + name + template_arguments_hash."""
         return "custom_kernel_" + self.name + "".join(f"_{v}" for _, v in self.template)
 
+    @cached_property
     def source(self) -> str:
         """The whole source MLX builds for this launch (custom_kernel.cpp: build_kernel)."""
         parts = [DEFAULT_HEADER, self.header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"]
@@ -124,9 +126,10 @@ class Variant:
         parts.append(self.body + "\n}\n\n} // namespace mlx::core::cu\n")
         return "".join(parts)
 
-    def module_name(self, source: str | None = None) -> str:
+    @cached_property
+    def module_name(self) -> str:
         """custom_kernel.cpp: fmt::format("{}_{:x}", name_, std::hash<std::string>{}(source_))."""
-        return f"{self.kernel_name}_{std_hash((source or self.source()).encode()):x}"
+        return f"{self.kernel_name}_{std_hash(self.source.encode()):x}"
 
 
 def variant(name: str, header: str, body: str, input_names, output_names, inputs, output_dtypes,
@@ -267,14 +270,17 @@ class Nvrtc:
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
+    def compile_variant(self, v: Variant, arch: tuple[int, int]) -> tuple[bytes, str]:
+        """`compile` of a launch's source, MLX's device header stood in for (`UTILS_CUH`)."""
+        return self.compile(v.source, v.kernel_name, arch, {UTILS_NAME: UTILS_CUH})
+
 
 def build(nvrtc: Nvrtc, v: Variant, arch: tuple[int, int], cache_dir: Path) -> Path:
     """Compile `v` and write MLX's two files for it (the mangled name first, the cubin
     last by rename: MLX takes a module as present once its `.ptx` exists). Returns the
     `.ptx` path."""
-    source = v.source()
-    path = ptx_path(cache_dir, v.module_name(source))
-    cubin, mangled = nvrtc.compile(source, v.kernel_name, arch, {UTILS_NAME: UTILS_CUH})
+    path = ptx_path(cache_dir, v.module_name)
+    cubin, mangled = nvrtc.compile_variant(v, arch)
     path.parent.mkdir(parents=True, exist_ok=True)
     for target, data in ((path.with_suffix(".txt"), f"mlx::core::cu::{v.kernel_name}\t{mangled}\n".encode()),
                          (path, cubin)):  # fmt: skip
@@ -300,8 +306,8 @@ class KeptKernel:
 
     def __call__(self, *, inputs, template=(), output_dtypes=(), **kw):
         # Keyed by what tells these ops' variants apart (the constants, the first input's
-        # and output's dtypes), not by every input's dtype: 1 us a launch, not 4. A variant
-        # the key misses is MLX's to build, as before.
+        # and output's dtypes), not by every input's dtype, which costs a launch several
+        # times more host time. A variant the key misses is MLX's to build, as before.
         key = (tuple(template), getattr(inputs[0], "dtype", None), output_dtypes[0] if output_dtypes else None)
         if key not in self.seen:
             self.seen.add(key)
@@ -318,7 +324,7 @@ def ensure(k: KeptKernel, inputs, template, output_dtypes) -> Path | None:
     v = variant(k.name, k.header, k.body, k.input_names, k.output_names, inputs, output_dtypes, template)
     if v is None:
         return None
-    path = ptx_path(k.cache_dir, v.module_name())
+    path = ptx_path(k.cache_dir, v.module_name)
     if path.is_file():
         return path
     if "nvrtc" not in _state:

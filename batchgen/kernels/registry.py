@@ -160,9 +160,8 @@ def keep_builds(root: Path | None = None) -> Path | None:
     version and GPU kind: a fresh process then loads what an earlier one built
     instead of compiling it again. MLX writes its own kernels' builds there; these
     ops' builds are written by `builds.KeptKernel` (MLX reads them but never writes
-    them: kernels/builds.py). MLX's
-    default is a directory under the system's temporary folder named by MLX's
-    version alone, which a reboot may empty and a second GPU kind would share
+    them: kernels/builds.py). MLX's default is a directory under the system's
+    temporary folder named by MLX's version alone, which a reboot may empty and a second GPU kind would share
     (builds are named by kernel and shape, not by device). A directory the
     user set (`MLX_PTX_CACHE_DIR`) is kept as is. Call before the first kernel
     builds; returns the directory (None off CUDA)."""

@@ -315,9 +315,9 @@ DEFAULT_WINDOW = 8
 # cache made outside the engine keeps none: plain decoding never trims, and after a
 # trim past the reserve attention stays right but reads codes where copies were gone
 # (not token-equal to plain decoding). The engine passes what its verify passes roll
-# back, (L + 1) or, pipelined, 2 * (L + 1) (Engine.make_cache). Five copies were 4-6%
-# of a 4-bit cache's bytes at 300-900 tokens, what put it above mlx-lm's 4-bit cache
-# there (bench/RESULTS.md#turboquant-quality-on-models-it-was-not-tuned-on).
+# back, (L + 1) or, pipelined, 2 * (L + 1) (Engine.make_cache). At a few hundred tokens
+# five copies were what put a 4-bit cache above mlx-lm's 4-bit cache in bytes
+# (bench/RESULTS.md#turboquant-quality-on-models-it-was-not-tuned-on).
 DEFAULT_TRIM_RESERVE = 0
 
 
