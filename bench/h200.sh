@@ -28,7 +28,8 @@
 #              first 40 edit jobs: BATCHGEN_KERNEL_BUILDS=0 (MLX compiles them in every process),
 #              then kept, twice (the first writes them, the second loads them); fp16 for scale
 #   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
-#              samples against separate jobs (0.5B shape). Needs llguidance: its abi3 wheel
+#              samples against separate jobs (FEATURES_SHAPE, default the 0.5B shape, whose
+#              step is bound by the host; qwen2.5-7b for one bound by the GPU). Needs llguidance: its abi3 wheel
 #              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
 #              manylinux_2_31_x86_64 --python-version 3.12 -d .gpu/) is unpacked into /tmp/site.
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
@@ -200,9 +201,9 @@ stage_features() {
   fi
   local s
   for s in $(sides); do  # FEATURES_ARGS, e.g. "--samples 8x2x64 --throughput-repeats 3" for a short A/B
-    step "features05_$s" "${FEATURES_S:-540}" $(side "$s") python3 -m batchgen bench jobs/freeform.jsonl \
-      --shape qwen2.5-0.5b --features --throughput 32,auto --jobs-total 256 --max-tokens 128 \
-      ${FEATURES_ARGS:---samples 64x8x1536 --throughput-repeats 3} --out "$R/features05_$s.json"
+    step "features_${FEATURES_SHAPE:-qwen2.5-0.5b}_$s" "${FEATURES_S:-540}" $(side "$s") python3 -m batchgen bench \
+      jobs/freeform.jsonl --shape "${FEATURES_SHAPE:-qwen2.5-0.5b}" --features --throughput 32,auto --jobs-total 256 --max-tokens 128 \
+      ${FEATURES_ARGS:---samples 64x8x1536 --throughput-repeats 3} --out "$R/features_${FEATURES_SHAPE:-qwen2.5-0.5b}_$s.json"
   done
 }
 
