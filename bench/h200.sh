@@ -29,9 +29,10 @@
 #              then kept, twice (the first writes them, the second loads them); fp16 for scale
 #   features   batched JSON-schema rows against free ones, logprobs on against off, n=8
 #              samples against separate jobs (FEATURES_SHAPE, default the 0.5B shape, whose
-#              step is bound by the host; qwen2.5-7b for one bound by the GPU). Needs llguidance: its abi3 wheel
-#              (pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform
-#              manylinux_2_31_x86_64 --python-version 3.12 -d .gpu/) is unpacked into /tmp/site.
+#              step is bound by the host; qwen2.5-7b for one bound by the GPU). Needs
+#              llguidance: its abi3 wheel (pip download llguidance==1.9.1 --no-deps
+#              --only-binary=:all: --platform manylinux_2_31_x86_64 --python-version 3.12
+#              -d .gpu/) is unpacked into /tmp/site.
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
 # in turn with this tree in the same call (SIDES="old new" for the other order, PLD_ROUNDS=N
 # to repeat the PLD row); only ratios within one call are compared. bench/RESULTS.md
@@ -199,11 +200,11 @@ stage_features() {
     wheel=$(ls .gpu/llguidance-*.whl 2>/dev/null | head -n 1)
     [[ -n $wheel ]] && python3 -m zipfile -e "$wheel" /tmp/site
   fi
-  local s
+  local s shape=${FEATURES_SHAPE:-qwen2.5-0.5b}
   for s in $(sides); do  # FEATURES_ARGS, e.g. "--samples 8x2x64 --throughput-repeats 3" for a short A/B
-    step "features_${FEATURES_SHAPE:-qwen2.5-0.5b}_$s" "${FEATURES_S:-540}" $(side "$s") python3 -m batchgen bench \
-      jobs/freeform.jsonl --shape "${FEATURES_SHAPE:-qwen2.5-0.5b}" --features --throughput 32,auto --jobs-total 256 --max-tokens 128 \
-      ${FEATURES_ARGS:---samples 64x8x1536 --throughput-repeats 3} --out "$R/features_${FEATURES_SHAPE:-qwen2.5-0.5b}_$s.json"
+    step "features_${shape}_$s" "${FEATURES_S:-540}" $(side "$s") python3 -m batchgen bench jobs/freeform.jsonl \
+      --shape "$shape" --features --throughput 32,auto --jobs-total 256 --max-tokens 128 \
+      ${FEATURES_ARGS:---samples 64x8x1536 --throughput-repeats 3} --out "$R/features_${shape}_$s.json"
   done
 }
 
