@@ -6,6 +6,7 @@ parse every body written."""
 
 import json
 import sys
+from types import SimpleNamespace
 
 import jsonschema
 import mlx.core as mx
@@ -112,6 +113,30 @@ def test_json_object_mode_admits_objects_only(demo):
         assert (m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()) == whole, text
     r = e.run(job("Answer in JSON.", max_tokens=12, json_schema=JSON_OBJECT_SCHEMA))
     assert r.ok and r.text.startswith("{")
+
+
+def test_jobs_with_one_schema_get_independent_matchers_built_once(demo, monkeypatch):
+    """The second job's matcher is a copy of a kept one: built once (each
+    build walks the whole vocabulary), and untouched by what the first job's
+    matcher took."""
+    e = demo(1)
+    e.matcher_for(job("x", json_schema=JSON_OBJECT_SCHEMA))  # the engine's grammars made
+    real, built = e.grammars.lib.LLMatcher, []
+
+    def counting(*a, **k):
+        built.append(1)
+        return real(*a, **k)
+
+    counting.grammar_from_json_schema = real.grammar_from_json_schema
+    monkeypatch.setattr(e.grammars, "lib", SimpleNamespace(LLMatcher=counting))
+    schema = json.dumps({**SCHEMAS["enums"], "title": "only here"})  # built by no other test
+    text = e.tokenizer.encode('{"colour": "red", "size": "M"}')
+    first = e.matcher_for(job("x", json_schema=schema))
+    assert first.try_consume_tokens(text[:3]) == 3
+    second = e.matcher_for(job("y", json_schema=schema))
+    assert second.try_consume_tokens(text) == len(text) and second.is_accepting()
+    assert first.try_consume_tokens(text[3:]) == len(text) - 3 and first.is_accepting()
+    assert len(built) == 1
 
 
 def test_a_schema_that_cannot_compile_is_an_error_line_before_any_generation(demo, monkeypatch):
