@@ -8,7 +8,7 @@ import json
 import sys
 from types import SimpleNamespace
 
-import jsonschema
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ from batchgen.job_fields import JSON_OBJECT_SCHEMA
 from batchgen.jobs import NATIVE, Job
 
 pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
@@ -84,8 +85,10 @@ def check_constrained(results):
 
 @pytest.fixture(scope="module")
 def mixed(demo):
-    """The four schema jobs and three free ones, and their results one at a time."""
+    """The four schema jobs, three free ones and a free one with a penalty, and
+    their results one at a time."""
     batch = constrained_jobs() + [job(t, f"f{i}", max_tokens=16) for i, t in enumerate(FREE)]
+    batch.append(job(FREE[0], "penalized", max_tokens=16, logits=LogitsConfig(frequency_penalty=0.5)))  # picks from logits
     return batch, {r.id: r for r in demo(1).run_all(batch)}
 
 
@@ -93,11 +96,14 @@ def test_constrained_output_validates_alone(mixed):
     check_constrained(mixed[1])
 
 
-def test_constrained_rows_share_a_batch_with_free_rows(demo, mixed):
-    """Four schemas and three free rows in one batch of 8: every JSON validates,
-    and every text equals the same job's run alone (float32)."""
+@pytest.mark.parametrize("batch_size", [8, 2])
+def test_constrained_rows_share_a_batch_with_free_rows(demo, mixed, batch_size):
+    """Four schemas and four free rows in one batch of 8, or 2 (free rows take
+    the slots schema rows leave, whose masks must not follow them): every JSON
+    validates, and every text equals the same job's run alone (float32)."""
     batch, alone = mixed
-    got = {r.id: r for r in demo(8).run_all(batch)}
+    batch = batch[:2] + batch[-1:] + batch[2:-1]  # the penalized row enters beside a schema row
+    got = {r.id: r for r in demo(batch_size).run_all(batch)}
     check_constrained(got)
     assert {i: r.text for i, r in got.items()} == {i: r.text for i, r in alone.items()}
 
