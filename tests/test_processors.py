@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from batchgen.config import LogitsConfig
 from batchgen.decode.grammar import apply_masks
-from batchgen.decode.logprobs import Entries, token_logprobs
+from batchgen.decode.logprobs import Entries, token_logprobs, top_k
 from batchgen.decode.processors import LogitsState, processed
 
 LOGITS = [[2.0, -1.0, 0.5, 3.0, -2.5, 0.0]]
@@ -110,6 +110,25 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     assert np.allclose(np.array(chosen), ref[np.arange(3), tokens], atol=1e-5)
     assert np.array(ids).tolist() == np.argsort(-ref, axis=1)[:, :5].tolist()
     assert np.allclose(np.array(vals), np.sort(ref, axis=1)[:, ::-1][:, :5], atol=1e-5)
+
+
+def test_top_k_in_slices_equals_a_full_sort():
+    """Two stages (slice maxima, then the best slices' entries) against a full
+    sort: literal rows with the k best in one slice, spread over slices, tied,
+    and in the padded last slice (7 entries, slices of 2)."""
+    rows = [[1, 9, 3, 7, 5, 8, 2], [9, 8, 7, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 6],
+            [4, 4, 4, 4, 4, 4, 4], [5, 5, 1, 5, 1, 1, 9], [-1, -2, -3, -4, -5, -6, 7]]  # fmt: skip
+    ids, vals = top_k(mx.array(rows, mx.float32), 3, chunk=2)
+    for row, i, v in zip(rows, ids.tolist(), vals.tolist()):
+        assert v == sorted(row, reverse=True)[:3], row
+        assert [row[j] for j in i] == v and len(set(i)) == 3, (row, i)
+    assert ids.tolist()[:3] == [[1, 5, 3], [0, 1, 2], [6, 5, 4]]
+    rng = np.random.default_rng(2)
+    x = (rng.integers(0, 40, size=(8, 1500)) / 4).astype(np.float32)  # many ties
+    ids, vals = top_k(mx.array(x), 20, chunk=64)
+    assert np.array_equal(np.array(vals), -np.sort(-x, axis=1)[:, :20])
+    assert np.array_equal(np.take_along_axis(x, np.array(ids), 1), np.array(vals))
+    assert all(len(set(r)) == 20 for r in ids.tolist())
 
 
 def test_entries_drop_a_closing_eos_and_keep_k_alternatives():

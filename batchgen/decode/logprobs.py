@@ -29,10 +29,40 @@ def token_logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple:
     chosen = mx.take_along_axis(lp, tokens.astype(mx.int32).reshape(-1, 1), axis=-1)[:, 0]
     if k <= 0:
         return chosen, None, None
-    ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
-    vals = mx.take_along_axis(lp, ids, axis=-1)
+    ids, vals = top_k(lp, k)
+    return chosen, ids, vals
+
+
+def top_k(x: mx.array, k: int, chunk: int = 512) -> tuple:
+    """(ids, values) of each row's k largest entries of x (rows, n), largest
+    first. Two stages: each `chunk`-wide slice's maximum, the k slices with the
+    largest maxima, then the k best of their k * chunk entries. Exact in the
+    values: a slice holding one of the k largest has a maximum at least that
+    large, so at most k - 1 slices beat it. Among equal values the ids may
+    differ from a full sort's. One `argpartition` over each whole row of a
+    151,936-token vocabulary took 3.9 ms at 256 rows on the H200, the two
+    stages 1.0 ms (bench/RESULTS.md "Dataset-generation features").
+
+    >>> ids, vals = top_k(mx.array([[1.0, 9, 3, 7, 5, 8, 2]]), 3, chunk=2)
+    >>> ids.tolist(), vals.tolist()
+    ([[1, 5, 3]], [[9.0, 8.0, 7.0]])
+    """
+    rows, n = x.shape
+    slices = -(-n // chunk)
+    if slices <= k:  # too few slices to choose k of: one pass over the row
+        ids = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(x, ids, axis=-1)
+    else:
+        if slices * chunk > n:  # the last slice padded with -inf, never picked while n >= k
+            x = mx.pad(x, [(0, 0), (0, slices * chunk - n)], constant_values=-mx.inf)
+        tiles = x.reshape(rows, slices, chunk)
+        best = mx.argpartition(-tiles.max(axis=-1), kth=k - 1, axis=-1)[:, :k]  # (rows, k) slice numbers
+        cand = mx.take_along_axis(tiles, best[:, :, None], axis=1).reshape(rows, k * chunk)
+        at = mx.argpartition(-cand, kth=k - 1, axis=-1)[:, :k]
+        ids = mx.take_along_axis(best, at // chunk, axis=-1) * chunk + at % chunk
+        vals = mx.take_along_axis(cand, at, axis=-1)
     order = mx.argsort(-vals, axis=-1)
-    return chosen, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
 class TokenText:
