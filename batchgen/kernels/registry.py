@@ -138,16 +138,17 @@ def _cuda_kernel(name: str, source: str, inputs: tuple, outputs: tuple, contiguo
     return kernel if kept is None else KeptKernel(kernel, built, header, body, inputs, outputs, kept)
 
 
-# Off unless BATCHGEN_KERNEL_BUILDS=1 until MLX has been seen loading these builds on a
-# CUDA machine and the kernels' parity tests have passed on them there
-# (tests/test_kernel_builds.py and tests/test_kernel_registry.py, marked cuda; the tests
-# turn it on); then on by default.
-KERNEL_BUILDS_DEFAULT = "0"
+# On: MLX loaded these builds on the H200 and the kernels' parity tests passed on them
+# there; a fresh TurboQuant process's first line came 0.98 s after load with them kept
+# against 11.5 s without (bench/RESULTS.md "Kernel builds"). BATCHGEN_KERNEL_BUILDS=0
+# leaves every build to MLX, in every process; a kept build that ever computed other
+# than MLX's own would turn this off.
+KERNEL_BUILDS_DEFAULT = "1"
 
 
 def kept_dir() -> Path | None:
     """Where this process's kernel builds are kept (`keep_builds`), or None: not on
-    CUDA, no build directory set, or `BATCHGEN_KERNEL_BUILDS` not 1 (MLX then compiles
+    CUDA, no build directory set, or `BATCHGEN_KERNEL_BUILDS=0` (MLX then compiles
     these ops' kernels in every process, as it does by itself)."""
     wanted = os.environ.get("BATCHGEN_KERNEL_BUILDS", KERNEL_BUILDS_DEFAULT) == "1"
     if not wanted or not os.environ.get("MLX_PTX_CACHE_DIR"):
