@@ -25,7 +25,8 @@
 #              rounds; with BASELINE the TurboQuant rows of each side in turn)
 #   tqflash    bench/turboquant_flash_probe.py: the step-mode pass that went wrong after blocked
 #              prompt chunks (RESULTS "TurboQuant step kernel"), builds kept and not, and with
-#              the chunks' queries in one block
+#              the chunks' queries in one block; then under compute-sanitizer's memcheck where
+#              the machine has it
 #   builds     batchgen's kernel builds kept on disk or not (kernels/builds.py): its cuda test
 #              (MLX loads a kept build), then fresh TurboQuant one-at-a-time processes over the
 #              first 40 edit jobs: BATCHGEN_KERNEL_BUILDS=0 (MLX compiles them in every process),
@@ -190,6 +191,10 @@ stage_tqflash() {
   done
   step tqflash_one_block 100 python3 bench/turboquant_flash_probe.py --fused false --dtypes bfloat16 --heads 14x2 \
     --one-block
+  local sanitizer
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+  [[ -n $sanitizer ]] && step tqflash_memcheck 240 "$sanitizer" --tool memcheck --print-limit 20 python3 \
+    bench/turboquant_flash_probe.py --fused false --dtypes bfloat16 --heads 14x2 --reserves 0
   return 0
 }
 
