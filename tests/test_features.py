@@ -8,7 +8,6 @@ import json
 import sys
 from types import SimpleNamespace
 
-
 import mlx.core as mx
 import numpy as np
 import pytest

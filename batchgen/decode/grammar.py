@@ -64,9 +64,10 @@ class Grammars:
 
     def matcher(self, schema: str):
         """A fresh matcher for `schema` (JSON text); `JobRunError` if it does not compile.
-        The first job with a schema builds its matcher (~0.5-1 ms at a 150k
-        vocabulary: the grammar's lexer over the whole vocabulary); later jobs
-        with the same schema copy that one untouched (`deep_copy`, ~1 us)."""
+        The first job with a schema builds its matcher (the grammar's lexer
+        over the whole vocabulary: a host item of the JSON run's profile,
+        bench/RESULTS.md "Dataset-generation features on the batch path");
+        later jobs with the same schema copy that one untouched (`deep_copy`)."""
         kept = self._kept.get(schema)
         if kept is None:
             try:

@@ -39,9 +39,10 @@ def top_k(x: mx.array, k: int, chunk: int = 512) -> tuple:
     largest maxima, then the k best of their k * chunk entries. Exact in the
     values: a slice holding one of the k largest has a maximum at least that
     large, so at most k - 1 slices beat it. Among equal values the ids may
-    differ from a full sort's. One `argpartition` over each whole row of a
-    151,936-token vocabulary took 3.9 ms at 256 rows on the H200, the two
-    stages 1.0 ms (bench/RESULTS.md "Dataset-generation features").
+    differ from a full sort's. Why: one `argpartition` over each whole row of a
+    150k vocabulary was most of a logprobs step's extra on the H200; the two
+    stages shortened that step in whole runs (bench/RESULTS.md
+    "Dataset-generation features on the batch path").
 
     >>> ids, vals = top_k(mx.array([[1.0, 9, 3, 7, 5, 8, 2]]), 3, chunk=2)
     >>> ids.tolist(), vals.tolist()

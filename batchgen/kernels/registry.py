@@ -138,9 +138,9 @@ def _cuda_kernel(name: str, source: str, inputs: tuple, outputs: tuple, contiguo
     return kernel if kept is None else KeptKernel(kernel, built, header, body, inputs, outputs, kept)
 
 
-# On: MLX loaded these builds on the H200 and the kernels' parity tests passed on them
-# there; a fresh TurboQuant process's first line came 0.98 s after load with them kept
-# against 11.5 s without (bench/RESULTS.md "Kernel builds"). BATCHGEN_KERNEL_BUILDS=0
+# On: MLX loaded these builds on the H200, the kernels' parity tests passed on them
+# there, and with them kept a fresh TurboQuant process no longer paid its kernel builds
+# before its first line (bench/RESULTS.md "Kernel builds"). BATCHGEN_KERNEL_BUILDS=0
 # leaves every build to MLX, in every process; a kept build that ever computed other
 # than MLX's own would turn this off.
 KERNEL_BUILDS_DEFAULT = "1"
