@@ -5,7 +5,7 @@
 # Stages:
 #   env        versions and the GPU
 #   cuda       the tests marked cuda (kernels against their references; CUDA_S seconds, default
-#              300); a failure ends the call
+#              300; CUDA_TESTS the paths, default tests); a failure ends the call
 #   headline   the README's headline figures (bench/RESULTS.md), each row for every side in turn
 #   headline7b the 7B shape's rows of the same (the weights alone take a minute to build)
 #   quantized  random-weight shapes quantized (QSHAPES, default 0.5B 1.5B 7B; QBITS, default
@@ -68,7 +68,7 @@ stage_env() {
 }
 
 stage_cuda() {  # every test marked cuda (kernels against their references), wherever it lives
-  step cuda_tests "${CUDA_S:-300}" python3 -m pytest -q -x -p no:cacheprovider -m cuda tests
+  step cuda_tests "${CUDA_S:-300}" python3 -m pytest -q -x -p no:cacheprovider -m cuda ${CUDA_TESTS:-tests}
 }
 
 stage_headline() {  # PLD on the demo model's edits; whole-file throughput, 0.5B shape, auto rows

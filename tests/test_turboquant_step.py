@@ -106,7 +106,7 @@ def test_verify_passes_run_as_step_launches_and_trims_keep_the_window(step_on_cp
     outputs are checked against the ops path by the schedules above."""
     launches = []
     real = STEP.kernel_form
-    monkeypatch.setattr(STEP, "kernel_form", lambda *a: launches.append(a[-3]) or real(*a))
+    monkeypatch.setattr(STEP, "kernel_form", lambda *a, **kw: launches.append(a[-3]) or real(*a, **kw))
     k, v = kv(100, 7)
     q = mx.random.normal((1, 4, 100, 64), key=mx.random.key(8))
     c = TurboQuantStepKVCache(4, routed=True)
@@ -257,7 +257,7 @@ def kernel_steps(heads: tuple, dim: int, n: int, steps: int, dtype):
     for t in range(n, total):
         c.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         calls = []
-        STEP.kernel_form = lambda *a, form=STEP.kernel_form: calls.append(a) or form(*a)
+        STEP.kernel_form = lambda *a, form=STEP.kernel_form, **kw: calls.append(a) or form(*a, **kw)
         try:
             out = c.attention(q[:, :, t : t + 1], scale=dim**-0.5, mask=None)
         finally:
@@ -334,14 +334,32 @@ def test_step_chunks_cover_the_positions_in_at_most_a_tile_of_chunks(dim, tile):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 28])
-def test_step_counters_are_one_zeroed_buffer_above_mlx_small_pool(rows):
+def test_step_counters_are_a_fresh_zeroed_buffer_above_mlx_small_pool(rows):
     """The kernel's block counters: zeros, one a row at least, more than 8 bytes (MLX
     puts arrays of at most 8 in managed memory, where the kernel's atomics made the step
-    4.5x slower on the H200), the same array for every launch."""
+    4.5x slower on the H200), a new array for each owner."""
     counters = kernels.step_counters(rows)
     assert counters.dtype == mx.uint32 and counters.size >= rows and counters.nbytes >= 64
     assert np.array(counters).tolist() == [0] * counters.size
-    assert kernels.step_counters(rows) is counters
+    assert kernels.step_counters(rows) is not counters
+
+
+def test_each_step_window_launches_with_counters_of_its_own(step_on_cpu, monkeypatch):
+    """Every launch of one cache's window passes that window's counters, and two caches
+    hold different ones: MLX orders a CUDA graph's kernels only by what they write, so
+    two caches' steps in one evaluation may run at once, and a shared set let their
+    blocks miscount (2.6e38 on the H200)."""
+    seen = []
+    real = STEP.kernel_form
+    monkeypatch.setattr(STEP, "kernel_form", lambda *a, counters=None: seen.append(counters) or real(*a))
+    k, v = kv(60, 5)
+    q = mx.random.normal((1, 4, 60, 64), key=mx.random.key(6))
+    caches = [TurboQuantStepKVCache(4, routed=True) for _ in range(2)]
+    for c in caches:
+        drive(c, [20, 1, 6, ("trim", 3), 1], k, v, q)
+    mine = [c._counters for c in caches]
+    assert len(seen) == 16 and all(x is not None for x in seen)  # a step, six for the pass, a step each
+    assert all(x is mine[0] for x in seen[:8]) and all(x is mine[1] for x in seen[8:]) and mine[0] is not mine[1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -355,7 +373,7 @@ def test_pld_and_the_pool_compose_with_step_mode(step_on_cpu, monkeypatch, model
 
     steps = []
     real = STEP.reference
-    monkeypatch.setattr(STEP, "reference", lambda *a: steps.append(1) or real(*a))
+    monkeypatch.setattr(STEP, "reference", lambda *a, **kw: steps.append(1) or real(*a, **kw))
     path = model_dir(arch, **STEP_SHAPES[arch])
     plain, fast, pooled = tq_engine(path), tq_engine(path, draft="pld"), tq_engine(path, pool=True)
     drafted = 0

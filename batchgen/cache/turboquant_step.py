@@ -29,7 +29,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..kernels.registry import constant
-from ..kernels.turboquant import STEP, step_books, step_chunks, step_meta, step_supported
+from ..kernels.turboquant import STEP, step_books, step_chunks, step_counters, step_meta, step_supported
 from ..turboquant.codec import codebook_arrays, packed_words, rotation
 from .turboquant import TurboQuantKVCache, detach, forget_prefill_mask
 
@@ -46,6 +46,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         self._step_new = None  # the tokens handed over by update_and_fetch
         self._win = None
         self._win_r0 = self._win_n = self._win_cb = self._win_exact = 0
+        self._counters = None  # the step kernel's, this window's own (`step_counters`)
 
     def _extra_arrays(self) -> tuple:
         return self._win or ()
@@ -127,6 +128,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
             exact = mx.concatenate([recent.astype(dtype), exact[:, :, n:]], axis=2)
         words = packed_words(dim, self.key_bits) + packed_words(dim, self.value_bits)
         self._win = (exact, mx.zeros((B, H, slots, words), mx.uint32), mx.zeros((B, H, slots, 2), mx.float16))
+        self._counters = step_counters(B * H)
         self._win_r0, self._win_n, self._win_cb, self._win_exact = p - n, n, p, p - n
         self.recent_keys = self.recent_values = None
         if self.key_codes is None:
@@ -231,7 +233,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         coded = (self.key_codes, self.key_norms, self.value_codes, self.value_norms)
         books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits, scale)
         out, self._win = STEP.kernel_form(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,
-                                       (self.key_bits, self.value_bits))  # fmt: skip
+                                       (self.key_bits, self.value_bits), counters=self._counters)  # fmt: skip
         self._win_n = p - r0 + 1
         # The ordinary layout keeps the last `_recent_capacity` tokens' copies.
         self._win_exact = max(self._win_exact, p + 1 - self._recent_capacity)

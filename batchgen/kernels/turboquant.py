@@ -257,14 +257,18 @@ def step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slot
 
 
 def step_counters(rows: int) -> mx.array:
-    """The step kernel's finished-block counters, one a (row, kv head), shared by every
-    launch: zero at a launch's start, as the last block of each row sets it back.
+    """The step kernel's finished-block counters, one a (row, kv head): zero at a
+    launch's start, as the last block of each row sets it back.
 
-    Launches on one stream run one after another, so one set serves them all. A real
-    buffer of at least 64 bytes: mx.zeros may be a broadcast scalar (the kernel would
-    overrun it), and MLX keeps arrays of at most 8 bytes in managed memory, where GPU
-    atomics are slow (bench/RESULTS.md#turboquant-step-kernel)."""
-    return constant(("count", rows), lambda: mx.array([0] * max(16, rows), dtype=mx.uint32))
+    Whoever launches owns a set and uses it for launches that run one after
+    another: a cache's step window (each launch reads the window the last one
+    wrote). MLX orders the nodes of a CUDA graph only by the buffers they write,
+    so two launches that merely read one set may run at once and miscount (two
+    caches' steps in one evaluation did: values of 2.6e38, bench/RESULTS.md
+    #turboquant-step-kernel). A real buffer of at least 64 bytes: mx.zeros may be
+    a broadcast scalar (the kernel would overrun it), and MLX keeps arrays of at
+    most 8 bytes in managed memory, where GPU atomics are slow."""
+    return mx.array(np.zeros(max(16, rows), np.uint32))
 
 
 _last_meta: list = [None, None]  # (fields, array) of the last step
@@ -291,16 +295,16 @@ def step_meta(fields: tuple) -> mx.array:
     return meta
 
 
-def _step_kernel(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple):
+def _step_kernel(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple, counters=None):
     B, n_heads, _, dim = q.shape
     kv_heads = new[0].shape[1]
     launch = step_launch(B, n_heads, dim, kv_heads, bits, window[0].shape[2], chunks, q.dtype)
-    count = step_counters(B * kv_heads)
+    count = step_counters(B * kv_heads) if counters is None else counters
     outs = STEP.kernel()(inputs=[q, *new, *sinks, *coded, *window, books, meta, count], **launch)
     return outs[0], tuple(outs[2:])
 
 
-def _step_reference(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple):
+def _step_reference(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple, counters=None):
     """What tq_step computes, by the reading rule (turboquant/reference.py): the new
     token encoded into its window slot, then attention over positions 0 .. p."""
     p, S, _, cb, r0, _, e0, _, _, _ = (int(x) for x in np.array(meta))
@@ -390,7 +394,7 @@ STEP = register(Op(
     ("q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wx", "wc", "wq", "books", "meta", "count"),
     ("out", "part", "wx_out", "wc_out", "wq_out"),
     launch=_step_kernel, reference=_step_reference,
-    runs=lambda q, new, *rest: q.shape[2] == 1 and step_supported(q.shape[3], q.shape[1] // new[0].shape[1],
+    runs=lambda q, new, *rest, counters=None: q.shape[2] == 1 and step_supported(q.shape[3], q.shape[1] // new[0].shape[1],
                                                                      *rest[-1]),
     examples=_step_examples,
     tolerance=2e-3,  # D = 128 takes the coded products on tensor cores, fp16 operands
@@ -398,11 +402,11 @@ STEP = register(Op(
 ))  # fmt: skip
 
 
-def step(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple):
+def step(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple, counters=None):
     """One decode step's attention. q (B, Hq, 1, D); new = (k, v) (B, Hkv, 1, D); sinks
     = (k, v) (B, Hkv, SS, D); coded = (kc, kq, vc, vq) the big buffers; window = (wx (B,
     Hkv, N, 2, D) exact keys and values, wc (B, Hkv, N, WK + WV) key then value codes, wq
     (B, Hkv, N, 2) their scales); books from `step_books`; meta int32 [p, S, cap, cb, r0,
-    chunks, e0, N, SS, span]. Returns (out (B, Hq, 1, D) in q's dtype, the window's next
-    arrays)."""
-    return STEP(q, new, sinks, coded, window, books, meta, chunks, bits)
+    chunks, e0, N, SS, span]; counters from `step_counters` (fresh ones if None). Returns
+    (out (B, Hq, 1, D) in q's dtype, the window's next arrays)."""
+    return STEP(q, new, sinks, coded, window, books, meta, chunks, bits, counters=counters)
