@@ -101,24 +101,28 @@ def test_step_mode_matches_the_ops_path(step_on_cpu, name, options):
 
 
 def test_verify_passes_run_as_step_launches_and_trims_keep_the_window(step_on_cpu, monkeypatch):
-    """A 6-token pass is six launches of the step (not the ops path); a trim that stays
-    inside the window keeps step mode; one past the window's first slot settles. The
-    outputs are checked against the ops path by the schedules above."""
+    """A 6-token pass is one launch of the step (not the ops path), a 12-token pass two
+    (the window, 8, then 4); a trim that stays inside the window keeps step mode; one
+    past the window's first slot settles. The outputs are checked against the ops path
+    by the schedules above."""
     launches = []
     real = STEP.kernel_form
-    monkeypatch.setattr(STEP, "kernel_form", lambda *a, **kw: launches.append(a[-3]) or real(*a, **kw))
+    monkeypatch.setattr(STEP, "kernel_form", lambda *a, **kw: launches.append(a[0].shape[2]) or real(*a, **kw))
     k, v = kv(100, 7)
     q = mx.random.normal((1, 4, 100, 64), key=mx.random.key(8))
     c = TurboQuantStepKVCache(4, routed=True)
     drive(c, [30] + [1] * 5, k, v, q)
-    assert len(launches) == 5 and c._win is not None
+    assert launches == [1] * 5 and c._win is not None
     drive(c, [6], k[:, :, 35:], v[:, :, 35:], q[:, :, 35:])
-    assert len(launches) == 11 and c.offset == 41
+    assert launches[5:] == [6] and c.offset == 41
     c.trim(4)
     assert c._win is not None and c.offset == 37 and c._win_n == 37 - c._win_r0
-    deep = 37 - c._win_r0 + 1  # past the window's first slot
+    drive(c, [12], k[:, :, 37:], v[:, :, 37:], q[:, :, 37:])
+    assert launches[6:] == [8, 4] and c.offset == 49 and c._win is not None
+    c.trim(8)
+    deep = 41 - c._win_r0 + 1  # past the window's first slot
     c.trim(deep)
-    assert c._win is None and c.offset == 37 - deep
+    assert c._win is None and c.offset == 41 - deep
 
 
 def test_step_mode_counts_its_window_and_settles_for_state(step_on_cpu):
@@ -358,8 +362,8 @@ def test_each_step_window_launches_with_counters_of_its_own(step_on_cpu, monkeyp
     for c in caches:
         drive(c, [20, 1, 6, ("trim", 3), 1], k, v, q)
     mine = [c._counters for c in caches]
-    assert len(seen) == 16 and all(x is not None for x in seen)  # a step, six for the pass, a step each
-    assert all(x is mine[0] for x in seen[:8]) and all(x is mine[1] for x in seen[8:]) and mine[0] is not mine[1]
+    assert len(seen) == 6 and all(x is not None for x in seen)  # a step, a 6-token pass, a step each
+    assert all(x is mine[0] for x in seen[:3]) and all(x is mine[1] for x in seen[3:]) and mine[0] is not mine[1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -13,10 +13,11 @@ recent copies), so that the kernel reads exactly what the ops path reads. Every
 `STEP_BLOCK` steps the window's codes go into the big buffers (a few ops).
 
 A short multi-token pass (a prompt-lookup verify pass, up to `STEP_QUERIES` tokens) runs
-as that many step launches a layer, token after token: the reading rule gives each query
-the same keys whatever the chunking, and a launch costs far less than the ops path's
-dozens of small ops (bench/RESULTS.md#turboquant-one-job-passes). A trim that stays
-inside the window only moves its marks back. Anything else (a long update, a deeper
+as one launch a layer for each `window` tokens of it: the reading rule gives each query
+the same keys whatever the chunking, and with at most `window` tokens a launch's queries
+read its tokens exactly, never as the codes it writes; one launch instead of one a token
+made a 6-token pass 1.6-2.3x faster (bench/RESULTS.md#turboquant-one-job-passes). A trim that
+stays inside the window only moves its marks back. Anything else (a long update, a deeper
 trim, the state, a mask) first settles the cache back into the ordinary layout
 (`_settle`), so the base class never sees a window.
 """
@@ -29,7 +30,15 @@ from typing import Optional
 import mlx.core as mx
 
 from ..kernels.registry import constant
-from ..kernels.turboquant import STEP, step_books, step_chunks, step_counters, step_meta, step_supported
+from ..kernels.turboquant import (
+    STEP,
+    STEP_TOKENS,
+    step_books,
+    step_chunks,
+    step_counters,
+    step_meta,
+    step_supported,
+)
 from ..turboquant.codec import codebook_arrays, packed_words, rotation
 from .turboquant import TurboQuantKVCache, detach, forget_prefill_mask
 
@@ -78,7 +87,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
     # Passes of up to this many tokens run as step launches (a TurboQuant job's verify
     # pass feeds at most TURBOQUANT_MAX_LOOKUP + 1 = 6); longer ones (prompt chunks) take
     # the ops path or cuDNN's fused attention, a launch or a few ops for all their queries.
-    STEP_QUERIES = 16
+    STEP_QUERIES = STEP_TOKENS
 
     def _steps(self) -> bool:
         """Whether an update of up to `STEP_QUERIES` tokens takes step mode."""
@@ -128,7 +137,7 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
             exact = mx.concatenate([recent.astype(dtype), exact[:, :, n:]], axis=2)
         words = packed_words(dim, self.key_bits) + packed_words(dim, self.value_bits)
         self._win = (exact, mx.zeros((B, H, slots, words), mx.uint32), mx.zeros((B, H, slots, 2), mx.float16))
-        self._counters = step_counters(B * H)
+        self._counters = step_counters(B * H * self._launch_tokens)
         self._win_r0, self._win_n, self._win_cb, self._win_exact = p - n, n, p, p - n
         self.recent_keys = self.recent_values = None
         if self.key_codes is None:
@@ -197,6 +206,11 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         self._win_exact = min(self._win_exact, to)
         return n
 
+    @property
+    def _launch_tokens(self) -> int:
+        """The most tokens one launch takes: the window's (module docstring)."""
+        return max(1, min(self.window, STEP_TOKENS))
+
     def _step_attention(self, queries: mx.array, scale: float) -> mx.array:
         keys, values = self._step_new
         self._step_new = None
@@ -204,22 +218,23 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         first = self.offset - L
         if self._win is None:
             self._enter_step(B, H, keys.dtype, first)
-        if L == 1:
-            return self._step_one(queries, keys, values, first, scale)
+        n = self._launch_tokens
+        if L <= n:
+            return self._step_launch(queries, keys, values, first, scale)
         outs = [
-            self._step_one(queries[:, :, i : i + 1], keys[:, :, i : i + 1], values[:, :, i : i + 1], first + i, scale)
-            for i in range(L)
+            self._step_launch(queries[:, :, i : i + n], keys[:, :, i : i + n], values[:, :, i : i + n], first + i, scale)
+            for i in range(0, L, n)
         ]
         return mx.concatenate(outs, axis=2)
 
-    def _step_one(self, queries, keys, values, p: int, scale: float) -> mx.array:
-        """One kernel launch: the token at position p (keys, values (B, H, 1, D)) into
-        its slot, and the attention of its query."""
-        B, H = keys.shape[:2]
-        if p - self._win_r0 >= self._win[0].shape[2]:
+    def _step_launch(self, queries, keys, values, p: int, scale: float) -> mx.array:
+        """One kernel launch: the L tokens from position p (keys, values (B, H, L, D),
+        L <= `_launch_tokens`) into their slots, and the attention of their queries."""
+        B, H, L = keys.shape[:3]
+        if p - self._win_r0 + L > self._win[0].shape[2]:
             self._shift_window()
         r0, S = self._win_r0, self.sink_tokens
-        chunks, span = step_chunks(p + 1, B * H, self.key_dim)
+        chunks, span = step_chunks(p + L, B * H * L, self.key_dim)
         if S:
             sinks = (self.sink_keys, self.sink_values)
         else:
@@ -228,15 +243,15 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         # Exact: the query's window, as far back as the ordinary layout's copies reach.
         e0 = max(S, p - self.window + 1, self._win_exact)
         fields = (p, S, self.key_codes.shape[2], self._win_cb, r0, chunks, e0, self._win[0].shape[2],
-                  sinks[0].shape[2], span)  # fmt: skip
+                  sinks[0].shape[2], span, self.window)  # fmt: skip
         meta = step_meta(fields)
         coded = (self.key_codes, self.key_norms, self.value_codes, self.value_norms)
         books = _step_books(self.key_dim, self.seed, self.key_bits, self.value_bits, scale)
         out, self._win = STEP.kernel_form(queries, (keys, values), sinks, coded, self._win, books, meta, chunks,
                                        (self.key_bits, self.value_bits), counters=self._counters)  # fmt: skip
-        self._win_n = p - r0 + 1
+        self._win_n = p - r0 + L
         # The ordinary layout keeps the last `_recent_capacity` tokens' copies.
-        self._win_exact = max(self._win_exact, p + 1 - self._recent_capacity)
+        self._win_exact = max(self._win_exact, p + L - self._recent_capacity)
         return out
 
 

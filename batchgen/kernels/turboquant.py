@@ -197,6 +197,9 @@ def encode(x: mx.array, bits: int, rot: Rotation) -> tuple[mx.array, mx.array]:
 # tq_step: one job's decode step (cuda/tq_step.cu)
 
 STEP_BLOCKS = 512  # blocks aimed at per step and layer (of 128 or 256 threads, 56-96 registers a thread)
+# The most tokens one launch takes (grid y), and never more than the cache's window W:
+# then no query of the launch reads a code the launch writes.
+STEP_TOKENS = 16
 
 
 def step_supported(dim: int, group: int, key_bits: int, value_bits: int) -> bool:
@@ -238,27 +241,28 @@ def step_books(signs, key_levels, key_edges, value_levels, value_edges, scale: f
 
 
 @lru_cache(maxsize=256)
-def step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slots: int, chunks: int, dtype) -> dict:
+def step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slots: int, chunks: int, dtype,
+                tokens: int = 1) -> dict:
     """The step kernel's keyword arguments besides inputs (made once per shape). A
     decode step of a small model is bound by host work per launch, which grows with
     the launch's arguments: hence few inputs, outputs and template constants."""
     (kb, vb), threads = bits, step_threads(dim)
     words = dim * (kb + vb) // 32
-    # Outputs: out, part (the kernel's tq_part_floats(D) = 2D + 4 floats a head and
-    # chunk), then the window's next arrays.
+    # Outputs: out (by token, then head), part (the kernel's tq_part_floats(D) = 2D + 4
+    # floats a token, head and chunk), then the window's next arrays. Grid y: the tokens.
     return dict(
         template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb)],
-        grid=(B * kv_heads * chunks * threads, 1, 1),
+        grid=(B * kv_heads * chunks * threads, tokens, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(B, n_heads, 1, dim), (B * n_heads, chunks, 2 * dim + 4), (B, kv_heads, slots, 2, dim),
+        output_shapes=[(B, tokens, n_heads, dim), (tokens * B * n_heads, chunks, 2 * dim + 4), (B, kv_heads, slots, 2, dim),
                        (B, kv_heads, slots, words), (B, kv_heads, slots, 2)],
         output_dtypes=[dtype, mx.float32, dtype, mx.uint32, mx.float16],
     )  # fmt: skip
 
 
 def step_counters(rows: int) -> mx.array:
-    """The step kernel's finished-block counters, one a (row, kv head): zero at a
-    launch's start, as the last block of each row sets it back.
+    """The step kernel's finished-block counters, one a (token, row, kv head) (`rows`
+    of them): zero at a launch's start, as the last block of each sets it back.
 
     Whoever launches owns a set and uses it for launches that run one after
     another: a cache's step window (each launch reads the window the last one
@@ -296,18 +300,32 @@ def step_meta(fields: tuple) -> mx.array:
 
 
 def _step_kernel(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple, counters=None):
-    B, n_heads, _, dim = q.shape
+    B, n_heads, L, dim = q.shape
     kv_heads = new[0].shape[1]
-    launch = step_launch(B, n_heads, dim, kv_heads, bits, window[0].shape[2], chunks, q.dtype)
-    count = step_counters(B * kv_heads) if counters is None else counters
+    launch = step_launch(B, n_heads, dim, kv_heads, bits, window[0].shape[2], chunks, q.dtype, L)
+    count = step_counters(B * kv_heads * L) if counters is None else counters
     outs = STEP.kernel()(inputs=[q, *new, *sinks, *coded, *window, books, meta, count], **launch)
-    return outs[0], tuple(outs[2:])
+    # (B, L, Hq, D) as (B, Hq, L, D): the model's next op moves it back, a free reshape.
+    return outs[0].transpose(0, 2, 1, 3), tuple(outs[2:])
 
 
 def _step_reference(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple, counters=None):
-    """What tq_step computes, by the reading rule (turboquant/reference.py): the new
-    token encoded into its window slot, then attention over positions 0 .. p."""
-    p, S, _, cb, r0, _, e0, _, _, _ = (int(x) for x in np.array(meta))
+    """What tq_step computes, by the reading rule (turboquant/reference.py): token by
+    token, the token encoded into its window slot, then its query's attention over
+    positions 0 .. p (a pass of L tokens reads as L steps)."""
+    fields = [int(x) for x in np.array(meta)]
+    p0, e0, W = fields[0], fields[6], fields[10]
+    outs = []
+    for i in range(q.shape[2]):
+        fields[0], fields[6] = p0 + i, max(e0, p0 + i - W + 1)
+        out, window = _step_reference_one(q[:, :, i : i + 1], tuple(x[:, :, i : i + 1] for x in new), sinks, coded,
+                                          window, books, fields, bits)  # fmt: skip
+        outs.append(out)
+    return mx.concatenate(outs, axis=2), window
+
+
+def _step_reference_one(q, new, sinks, coded, window, books, fields: list, bits: tuple):
+    p, S, _, cb, r0, _, e0, _, _, _, _ = fields
     (kb, vb), (k_new, v_new) = bits, new
     dim = k_new.shape[-1]
     rot = Rotation.from_signs(books[:dim])
@@ -351,16 +369,18 @@ def codes_to_rotated(codes: mx.array, scales: mx.array, bits: int, dim: int) -> 
 
 
 def step_arguments(n_heads: int, kv_heads: int, dim: int, positions: int, *, sink_tokens: int = 4,
-                   window: int = 8, bits: tuple = (5, 3), r0_back: int = 11, dtype=mx.float32, seed: int = 0):
-    """Arguments of one tq_step call over `positions` random past positions (a window
-    of 44 slots starting `r0_back` positions before the new token; codes below the
-    window's first slot in the big buffers), for tests and benchmarks."""
+                   window: int = 8, bits: tuple = (5, 3), r0_back: int = 11, dtype=mx.float32, seed: int = 0,
+                   tokens: int = 1):
+    """Arguments of one tq_step call over `positions` random past positions and
+    `tokens` new ones (a window of 44 slots starting `r0_back` positions before the
+    first new token; codes below the window's first slot in the big buffers), for
+    tests and benchmarks."""
     kb, vb = bits
     slots, p, S = 44, positions, sink_tokens
     r0 = p - r0_back
     cb = r0 + 3  # the window's first three slots already flushed
-    keys = mx.random.normal((1, kv_heads, p + 1, dim), key=mx.random.key(seed))
-    vals = mx.random.normal((1, kv_heads, p + 1, dim), key=mx.random.key(seed + 1))
+    keys = mx.random.normal((1, kv_heads, p + tokens, dim), key=mx.random.key(seed))
+    vals = mx.random.normal((1, kv_heads, p + tokens, dim), key=mx.random.key(seed + 1))
     rot = rotation(dim, seed)
     ck, sk = quantize(keys, kb, rot)
     cv, sv = quantize(vals, vb, rot)
@@ -373,20 +393,21 @@ def step_arguments(n_heads: int, kv_heads: int, dim: int, positions: int, *, sin
 
     window_ = (win(mx.stack([keys, vals], axis=3)).astype(dtype), win(mx.concatenate([ck, cv], axis=-1)),
                win(mx.stack([sk, sv], axis=-1)))  # fmt: skip
-    q = mx.random.normal((1, n_heads, 1, dim), key=mx.random.key(seed + 2)).astype(dtype)
+    q = mx.random.normal((1, n_heads, tokens, dim), key=mx.random.key(seed + 2)).astype(dtype)
     new = (keys[:, :, p:].astype(dtype), vals[:, :, p:].astype(dtype))
     sinks = (mx.contiguous(keys[:, :, :S].astype(dtype)), mx.contiguous(vals[:, :, :S].astype(dtype)))
-    chunks, span = step_chunks(p + 1, kv_heads, dim)
+    chunks, span = step_chunks(p + tokens, kv_heads * tokens, dim)
     books = step_books(rot.signs, *codebook_arrays(kb), *codebook_arrays(vb), dim**-0.5)
     e0 = max(S, p - window + 1, r0)
-    meta = mx.array([p, S, big[0].shape[2], cb, r0, chunks, e0, slots, S, span], mx.int32)
+    meta = mx.array([p, S, big[0].shape[2], cb, r0, chunks, e0, slots, S, span, window], mx.int32)
     return q, new, sinks, big, window_, books, meta, chunks, bits
 
 
 def _step_examples():
-    return [((*step_arguments(h, kv, d, n, seed=n),), {})
-            for h, kv, d, n in ((14, 2, 64, 700), (28, 4, 128, 3000), (32, 2, 64, 900), (8, 2, 256, 500),
-                                (8, 4, 32, 300))]  # fmt: skip
+    # Passes of 6 tokens too (a prompt-lookup verify pass), one crossing a chunk's edge.
+    return [((*step_arguments(h, kv, d, n, seed=n, tokens=t),), {})
+            for h, kv, d, n, t in ((14, 2, 64, 700, 1), (28, 4, 128, 3000, 1), (32, 2, 64, 900, 1), (8, 2, 256, 500, 1),
+                                   (8, 4, 32, 300, 1), (14, 2, 64, 700, 6), (28, 4, 128, 3000, 6), (8, 4, 32, 380, 6))]  # fmt: skip
 
 
 STEP = register(Op(
@@ -394,8 +415,8 @@ STEP = register(Op(
     ("q", "kn", "vn", "sk", "sv", "kc", "kq", "vc", "vq", "wx", "wc", "wq", "books", "meta", "count"),
     ("out", "part", "wx_out", "wc_out", "wq_out"),
     launch=_step_kernel, reference=_step_reference,
-    runs=lambda q, new, *rest, counters=None: q.shape[2] == 1 and step_supported(q.shape[3], q.shape[1] // new[0].shape[1],
-                                                                     *rest[-1]),
+    runs=lambda q, new, *rest, counters=None: q.shape[2] <= STEP_TOKENS and step_supported(
+        q.shape[3], q.shape[1] // new[0].shape[1], *rest[-1]),
     examples=_step_examples,
     tolerance=2e-3,  # D = 128 takes the coded products on tensor cores, fp16 operands
     contiguous=False,  # q and the new token are read through their strides, no copy
@@ -403,10 +424,11 @@ STEP = register(Op(
 
 
 def step(q, new, sinks, coded, window, books, meta, chunks: int, bits: tuple, counters=None):
-    """One decode step's attention. q (B, Hq, 1, D); new = (k, v) (B, Hkv, 1, D); sinks
+    """One decode step's attention, or a short pass's of L <= min(W, STEP_TOKENS) tokens
+    at positions p0 .. p0 + L - 1. q (B, Hq, L, D); new = (k, v) (B, Hkv, L, D); sinks
     = (k, v) (B, Hkv, SS, D); coded = (kc, kq, vc, vq) the big buffers; window = (wx (B,
     Hkv, N, 2, D) exact keys and values, wc (B, Hkv, N, WK + WV) key then value codes, wq
-    (B, Hkv, N, 2) their scales); books from `step_books`; meta int32 [p, S, cap, cb, r0,
-    chunks, e0, N, SS, span]; counters from `step_counters` (fresh ones if None). Returns
-    (out (B, Hq, 1, D) in q's dtype, the window's next arrays)."""
+    (B, Hkv, N, 2) their scales); books from `step_books`; meta int32 [p0, S, cap, cb, r0,
+    chunks, e0, N, SS, span, W]; counters from `step_counters` (fresh ones if None).
+    Returns (out (B, Hq, L, D) in q's dtype, the window's next arrays)."""
     return STEP(q, new, sinks, coded, window, books, meta, chunks, bits, counters=counters)

@@ -1,5 +1,10 @@
-// One decode step of one job's TurboQuant cache: the whole attention of a layer in one
-// launch (reading rule: turboquant/reference.py).
+// One decode step of one job's TurboQuant cache, or a short pass of up to W tokens (a
+// prompt-lookup verify pass): the whole attention of a layer in one launch (reading
+// rule: turboquant/reference.py).
+//   * grid y is the pass's token: query qi sits at position p = p0 + qi and reads
+//     positions 0 .. p. With at most W tokens every token of the pass lies in each later
+//     query's exact window, so no query reads a code this launch writes: the pass's
+//     exact keys and values come straight from kn / vn (token i at stride 2);
 //   * block (row, kv head, chunk c) takes positions [c * span, (c + 1) * span), TILE at a
 //     time: scores of the group's G query heads into shared memory (exact positions
 //     against the scaled query, coded ones against the rotated query: (R q).(R k) = q.k),
@@ -20,7 +25,9 @@
 //     that also encodes prefill chunks.
 // Reading rule: position j < S is a sink (exact); e0 <= j <= p exact (the query's
 // window); otherwise codes, from the big buffers below cb, from the window's slot j - r0
-// above. meta: [p, S, cap, cb, r0, C (chunks), e0, N (window slots), SS (sink rows), span].
+// above. meta: [p0, S, cap, cb, r0, C (chunks), e0 (the first query's), N (window slots),
+// SS (sink rows), span, W (the window)]; query qi's e0 is max(e0, p - W + 1).
+// Outputs by query: out (B, tokens, Hq, D), part and count (query, row, kv head) first.
 #include "common.cuh"
 // --- body ---
   constexpr int NT = D > 64 ? 256 : D > 32 ? 128 : 64, NW = NT / 32, TILE = NT;
@@ -29,8 +36,10 @@
   const float* sign = books;
   const float *ktab = books + D + 1, *kedge = ktab + (1 << KB), *vtab = kedge + (1 << KB) - 1;
   const float* vedge = vtab + (1 << VB);
-  const int p = meta[0], S = meta[1], cap = meta[2], cb = meta[3], r0 = meta[4];
-  const int C = meta[5], e0 = meta[6], N = meta[7], SS = meta[8], span = meta[9];
+  const int p0 = meta[0], S = meta[1], cap = meta[2], cb = meta[3], r0 = meta[4];
+  const int C = meta[5], N = meta[7], SS = meta[8], span = meta[9], W = meta[10];
+  const int qi = blockIdx.y, NQ = gridDim.y, p = p0 + qi, e0 = max(meta[6], p - W + 1);
+  const int rows = gridDim.x / C;  // B * HKV
   const int bk = blockIdx.x / C, c = blockIdx.x % C, b = bk / HKV, hk = bk % HKV;
   const int lo = c * span, hi = min(p + 1, lo + span);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -38,10 +47,10 @@
   const size_t kv = (size_t)bk;
   // q, the new key and value come straight from the model (often transposed views):
   // read through their strides, no copy.
-  const auto* qb = q + b * q_strides[0] + hk * G * q_strides[1];
-  const auto* knp = kn + b * kn_strides[0] + hk * kn_strides[1];
+  const auto* qb = q + b * q_strides[0] + hk * G * q_strides[1] + qi * q_strides[2];
+  const auto* knp = kn + b * kn_strides[0] + hk * kn_strides[1];  // the pass's first token
   const auto* vnp = vn + b * vn_strides[0] + hk * vn_strides[1];
-  const long long kns = kn_strides[3], vns = vn_strides[3];
+  const long long kns = kn_strides[3], vns = vn_strides[3], knq = kn_strides[2], vnq = vn_strides[2];
   // Coded positions' products on tensor cores where they were measured faster (H200:
   // D = 128, the 7B shape); elsewhere a thread a position (scores) and a lane a
   // coordinate (values) on CUDA cores. mma tiles: KT k-steps of 16 coordinates, HT
@@ -62,24 +71,28 @@
   __shared__ unsigned char eidx[2 * D];
 
   // The window (slot s: exact key, exact value; key then value codes; two scales)
-  // moves forward: block c copies the slots s = c (mod C), the new token into slot
-  // p - r0; two warps of the last block (the fewest positions) encode it.
-  const int slot = p - r0;
-  for (int s = c; s < N; s += C) {
+  // moves forward: block c of the first query copies the slots s = c (mod C), the
+  // pass's tokens into slots p0 - r0 ..; two warps of query qi's last block (the fewest
+  // positions) encode token qi.
+  const int slot0 = p0 - r0;
+  for (int s = c; s < (qi == 0 ? N : 0); s += C) {
     const size_t row = kv * N + s;
+    const int ni = s - slot0;  // the pass's token ni, if 0 <= ni < NQ
+    const bool fresh = ni >= 0 && ni < NQ;
     for (int t = tid; t < D; t += NT) {
-      wx_out[(row * 2) * D + t] = s == slot ? knp[t * kns] : wx[(row * 2) * D + t];
-      wx_out[(row * 2 + 1) * D + t] = s == slot ? vnp[t * vns] : wx[(row * 2 + 1) * D + t];
+      wx_out[(row * 2) * D + t] = fresh ? knp[ni * knq + t * kns] : wx[(row * 2) * D + t];
+      wx_out[(row * 2 + 1) * D + t] = fresh ? vnp[ni * vnq + t * vns] : wx[(row * 2 + 1) * D + t];
     }
-    if (s == slot) continue;
+    if (fresh) continue;
     for (int t = tid; t < WC; t += NT) wc_out[row * WC + t] = wc[row * WC + t];
     if (tid < 2) wq_out[row * 2 + tid] = wq[row * 2 + tid];
   }
-  const size_t at = kv * N + slot;
+  const size_t at = kv * N + p - r0;
   if (c == C - 1 && warp == 0)
-    tq_encode_warp<D, KB, WK>(knp, kns, sign, ktab, kedge, eidx, wc_out + at * WC, wq_out + at * 2);
+    tq_encode_warp<D, KB, WK>(knp + qi * knq, kns, sign, ktab, kedge, eidx, wc_out + at * WC, wq_out + at * 2);
   if (c == C - 1 && warp == 1)
-    tq_encode_warp<D, VB, WV>(vnp, vns, sign, vtab, vedge, eidx + D, wc_out + at * WC + WK, wq_out + at * 2 + 1);
+    tq_encode_warp<D, VB, WV>(vnp + qi * vnq, vns, sign, vtab, vedge, eidx + D, wc_out + at * WC + WK,
+                              wq_out + at * 2 + 1);
 
   // Scaled queries of the group, plain and rotated (unnormalised: coded scores take
   // 1 / D), stored coordinate-major with the heads padded to GP: a coordinate's GP
@@ -187,8 +200,8 @@
       #pragma unroll
       for (int g = 0; g < GP; g++) s[g] = 0.0f;
       if (j < S || j >= e0) {
-        const auto* kr = j == p ? knp : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
-        const long long ks = j == p ? kns : 1;
+        const auto* kr = j >= p0 ? knp + (j - p0) * knq : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
+        const long long ks = j >= p0 ? kns : 1;
         for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
       } else if (!MMA) {
         const unsigned int* row = key_row(j);
@@ -241,7 +254,7 @@
     for (int j = from(t0); j < min(t1, S); j += K)
       tq_fma4<GP>(ap, sc + (j - t0) * GP, static_cast<float>(sv[(kv * SS + j) * D + i]));
     for (int j = from(max(t0, max(e0, S))); j < min(t1, p + 1); j += K) {
-      const float x = static_cast<float>(j == p ? vnp[i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
+      const float x = static_cast<float>(j >= p0 ? vnp[(j - p0) * vnq + i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
       tq_fma4<GP>(ap, sc + (j - t0) * GP, x);
     }
     if (!MMA) {
@@ -286,7 +299,7 @@
   if (tid < D) {
     #pragma unroll
     for (int g = 0; g < G; g++) {
-      float* o = part + ((size_t)(b * HKV * G + hk * G + g) * C + c) * tq_part_floats(D);
+      float* o = part + ((size_t)((qi * rows + bk) * G + g) * C + c) * tq_part_floats(D);
       o[tid] = MMA ? qr[g * D + tid] : (K > 1 ? ar[g] + sc[g * D + tid] : ar[g]);
       o[D + tid] = K > 1 ? ap[g] + sc[(GP + g) * D + tid] : ap[g];
       if (tid == 0) { o[2 * D] = fm[g]; o[2 * D + 1] = fl[g]; }
@@ -300,15 +313,16 @@
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-      unsigned* n = const_cast<unsigned*>(count) + bk;
+      unsigned* n = const_cast<unsigned*>(count) + qi * rows + bk;
       last = atomicAdd(n, 1u) == (unsigned)(C - 1);
       if (last) *n = 0u;
     }
     __syncthreads();
     if (last) {
       __threadfence();
-      const size_t h0 = (size_t)b * HKV * G + hk * G;  // the group's first query head
-      tq_merge_chunks<D, G, NT>(part + h0 * C * tq_part_floats(D), C, sign, out + h0 * D, sc, qr, qp, fl);
+      const size_t h0 = (size_t)(qi * rows + bk) * G;  // the group's first query head's partials
+      tq_merge_chunks<D, G, NT>(part + h0 * C * tq_part_floats(D), C, sign,
+                                out + ((size_t)(b * NQ + qi) * HKV + hk) * G * D, sc, qr, qp, fl);
     }
   }
 
