@@ -221,10 +221,10 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
         n = self._launch_tokens
         if L <= n:
             return self._step_launch(queries, keys, values, first, scale)
-        outs = [
-            self._step_launch(queries[:, :, i : i + n], keys[:, :, i : i + n], values[:, :, i : i + n], first + i, scale)
-            for i in range(0, L, n)
-        ]
+        outs = []
+        for i in range(0, L, n):
+            t = slice(i, i + n)
+            outs.append(self._step_launch(queries[:, :, t], keys[:, :, t], values[:, :, t], first + i, scale))
         return mx.concatenate(outs, axis=2)
 
     def _step_launch(self, queries, keys, values, p: int, scale: float) -> mx.array:

@@ -254,7 +254,8 @@ def step_launch(B: int, n_heads: int, dim: int, kv_heads: int, bits: tuple, slot
         template=[("D", dim), ("G", n_heads // kv_heads), ("HKV", kv_heads), ("KB", kb), ("VB", vb)],
         grid=(B * kv_heads * chunks * threads, tokens, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(B, tokens, n_heads, dim), (tokens * B * n_heads, chunks, 2 * dim + 4), (B, kv_heads, slots, 2, dim),
+        output_shapes=[(B, tokens, n_heads, dim), (tokens * B * n_heads, chunks, 2 * dim + 4),
+                       (B, kv_heads, slots, 2, dim),
                        (B, kv_heads, slots, words), (B, kv_heads, slots, 2)],
         output_dtypes=[dtype, mx.float32, dtype, mx.uint32, mx.float16],
     )  # fmt: skip
@@ -405,9 +406,9 @@ def step_arguments(n_heads: int, kv_heads: int, dim: int, positions: int, *, sin
 
 def _step_examples():
     # Passes of 6 tokens too (a prompt-lookup verify pass), one crossing a chunk's edge.
-    return [((*step_arguments(h, kv, d, n, seed=n, tokens=t),), {})
-            for h, kv, d, n, t in ((14, 2, 64, 700, 1), (28, 4, 128, 3000, 1), (32, 2, 64, 900, 1), (8, 2, 256, 500, 1),
-                                   (8, 4, 32, 300, 1), (14, 2, 64, 700, 6), (28, 4, 128, 3000, 6), (8, 4, 32, 380, 6))]  # fmt: skip
+    shapes = ((14, 2, 64, 700, 1), (28, 4, 128, 3000, 1), (32, 2, 64, 900, 1), (8, 2, 256, 500, 1), (8, 4, 32, 300, 1),
+              (14, 2, 64, 700, 6), (28, 4, 128, 3000, 6), (8, 4, 32, 380, 6))
+    return [((*step_arguments(h, kv, d, n, seed=n, tokens=t),), {}) for h, kv, d, n, t in shapes]
 
 
 STEP = register(Op(

@@ -200,7 +200,8 @@
       #pragma unroll
       for (int g = 0; g < GP; g++) s[g] = 0.0f;
       if (j < S || j >= e0) {
-        const auto* kr = j >= p0 ? knp + (j - p0) * knq : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
+        const auto* kr = j >= p0 ? knp + (j - p0) * knq
+                                 : (j < S ? sk + (kv * SS + j) * D : wx + ((kv * N + j - r0) * 2) * D);
         const long long ks = j >= p0 ? kns : 1;
         for (int d = 0; d < D; d++) tq_fma4<GP>(s, qp + d * GP, static_cast<float>(kr[d * ks]));
       } else if (!MMA) {
@@ -254,7 +255,8 @@
     for (int j = from(t0); j < min(t1, S); j += K)
       tq_fma4<GP>(ap, sc + (j - t0) * GP, static_cast<float>(sv[(kv * SS + j) * D + i]));
     for (int j = from(max(t0, max(e0, S))); j < min(t1, p + 1); j += K) {
-      const float x = static_cast<float>(j >= p0 ? vnp[(j - p0) * vnq + i * vns] : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
+      const float x = static_cast<float>(j >= p0 ? vnp[(j - p0) * vnq + i * vns]
+                                                 : wx[((kv * N + j - r0) * 2 + 1) * D + i]);
       tq_fma4<GP>(ap, sc + (j - t0) * GP, x);
     }
     if (!MMA) {
