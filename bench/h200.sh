@@ -23,10 +23,6 @@
 #              passes against fp16 at 300 and 2,000 tokens of history), then bench/first_line.py
 #              over the first 40 edit jobs, fp16 and TurboQuant, fresh processes (TQ_ROUNDS
 #              rounds; with BASELINE the TurboQuant rows of each side in turn)
-#   tqflash    bench/turboquant_flash_probe.py: the step-mode pass that went wrong after blocked
-#              prompt chunks (RESULTS "TurboQuant step kernel"), builds kept and not, and with
-#              the chunks' queries in one block; then under compute-sanitizer's memcheck where
-#              the machine has it
 #   builds     batchgen's kernel builds kept on disk or not (kernels/builds.py): its cuda test
 #              (MLX loads a kept build), then fresh TurboQuant one-at-a-time processes over the
 #              first 40 edit jobs: BATCHGEN_KERNEL_BUILDS=0 (MLX compiles them in every process),
@@ -181,20 +177,6 @@ stage_tqprobe() {  # with BASELINE, each side in turn; TQ_ROUNDS (default 1) fre
         --out "$R/fl_tq_${s}_$round.json" -- --batch-size 1 --kv-cache turboquant
     done
   done
-  return 0
-}
-
-stage_tqflash() {
-  local k
-  for k in 1 0; do
-    step "tqflash_builds$k" 150 env BATCHGEN_KERNEL_BUILDS=$k python3 bench/turboquant_flash_probe.py
-  done
-  step tqflash_one_block 100 python3 bench/turboquant_flash_probe.py --fused false --dtypes bfloat16 --heads 14x2 \
-    --one-block
-  local sanitizer
-  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
-  [[ -n $sanitizer ]] && step tqflash_memcheck 240 "$sanitizer" --tool memcheck --print-limit 20 python3 \
-    bench/turboquant_flash_probe.py --fused false --dtypes bfloat16 --heads 14x2 --reserves 0
   return 0
 }
 
