@@ -87,7 +87,8 @@ class TurboQuantStepKVCache(TurboQuantKVCache):
     # Passes of up to this many tokens run as step launches (a TurboQuant job's verify
     # pass feeds at most TURBOQUANT_MAX_LOOKUP + 1 = 6); longer ones (prompt chunks) take
     # the ops path or cuDNN's fused attention, a launch or a few ops for all their queries.
-    STEP_QUERIES = STEP_TOKENS
+    # (How many tokens one launch takes is `_launch_tokens`, a separate bound.)
+    STEP_QUERIES = 16
 
     def _steps(self) -> bool:
         """Whether an update of up to `STEP_QUERIES` tokens takes step mode."""

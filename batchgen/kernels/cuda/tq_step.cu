@@ -4,7 +4,8 @@
 //   * grid y is the pass's token: query qi sits at position p = p0 + qi and reads
 //     positions 0 .. p. With at most W tokens every token of the pass lies in each later
 //     query's exact window, so no query reads a code this launch writes: the pass's
-//     exact keys and values come straight from kn / vn (token i at stride 2);
+//     exact keys and values come straight from kn / vn (token i at i times their
+//     axis-2 stride);
 //   * block (row, kv head, chunk c) takes positions [c * span, (c + 1) * span), TILE at a
 //     time: scores of the group's G query heads into shared memory (exact positions
 //     against the scaled query, coded ones against the rotated query: (R q).(R k) = q.k),
