@@ -33,6 +33,11 @@
 #              llguidance: its abi3 wheel (pip download llguidance==1.9.1 --no-deps
 #              --only-binary=:all: --platform manylinux_2_31_x86_64 --python-version 3.12
 #              -d .gpu/) is unpacked into /tmp/site.
+#   phases     where a batched step's host time goes, free against JSON-schema and logprobs rows
+#              (bench/feature_phases.py; PHASE_SHAPES, default the 0.5B and 7B shapes; needs
+#              llguidance as features does)
+#   grammar_threads  llguidance's mask time a step for 256 and 32 rows, matchers copied from one
+#              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
 # in turn with this tree in the same call (SIDES="old new" for the other order, PLD_ROUNDS=N
 # to repeat the PLD row); only ratios within one call are compared. bench/RESULTS.md
@@ -194,12 +199,38 @@ stage_builds() {
   return 0
 }
 
-stage_features() {
+grammar_engine() {  # llguidance from its abi3 wheel in .gpu/, where the machine lacks it
   if ! python3 -c "import llguidance" 2>/dev/null; then
     local wheel
     wheel=$(ls .gpu/llguidance-*.whl 2>/dev/null | head -n 1)
     [[ -n $wheel ]] && python3 -m zipfile -e "$wheel" /tmp/site
   fi
+}
+
+stage_phases() {
+  grammar_engine
+  local s shape
+  for shape in ${PHASE_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
+    for s in $(sides); do
+      step "phases_${shape}_$s" 240 $(side "$s") python3 bench/feature_phases.py --shape "$shape" --jobs 256 \
+        --rows auto --repeats 2 --out "$R/phases_${shape}_$s.json"
+    done
+  done
+  return 0
+}
+
+stage_grammar_threads() {
+  grammar_engine
+  local rows
+  for rows in 256 32; do
+    step "grammar_threads_$rows" 90 python3 bench/grammar_threads.py --n-vocab 151936 --rows "$rows" --threads 0,1 \
+      --out "$R/grammar_threads_$rows.json"
+  done
+  return 0
+}
+
+stage_features() {
+  grammar_engine
   local s shape=${FEATURES_SHAPE:-qwen2.5-0.5b}
   for s in $(sides); do  # FEATURES_ARGS, e.g. "--samples 8x2x64 --throughput-repeats 3" for a short A/B
     step "features_${shape}_$s" "${FEATURES_S:-540}" $(side "$s") python3 -m batchgen bench jobs/freeform.jsonl \

@@ -297,3 +297,41 @@ def test_turboquant_passes_times_both_caches_at_each_length(tmp_path, model):
     engine.model(mx.array([[3] * 24]), cache=cache)
     tqp.pass_ms(engine.model, cache, 4, 2)
     assert {c.offset for c in cache} == {24}
+
+
+def test_feature_phases_times_each_phase_of_free_json_and_logprobs_runs():
+    """Every variant's runs report their steps and each phase's ms a step; the JSON run's
+    grammar work (fill, consume) is timed inside its pick and read, and the scheduler's
+    methods are themselves again afterwards."""
+    pytest.importorskip("llguidance")
+    from batchgen.engine.scheduler import BatchScheduler
+
+    before = BatchScheduler._read
+    phases = bench_script("feature_phases")
+    out = phases.main(["--shape", "tiny", "--dtype", "float32", "--jobs", "6", "--rows", "3", "--max-tokens", "5",
+                       "--repeats", "1"])  # fmt: skip
+    assert set(out) == {"free", "json", "logprobs"} and all(len(runs) == 1 for runs in out.values())
+    for name, (run,) in out.items():
+        assert run["steps"] >= 5 and run["tokens"] > 0 and run["step_ms"] > 0
+        assert {"queue", "read+wait", "wait", "start"} <= set(run["ms_per_step"]), name
+    json_phases = out["json"][0]["ms_per_step"]
+    assert 0 < json_phases["fill"] <= json_phases["pick"] and 0 < json_phases["consume"] <= json_phases["read+wait"]
+    assert "fill" not in out["free"][0]["ms_per_step"]
+    assert BatchScheduler._read is before
+
+
+def test_grammar_threads_times_masks_for_each_way_of_making_matchers(tmp_path):
+    """One row of timings per (threads, kept) pair, the schema read back from the file
+    `--write-schema` wrote (a machine without MLX)."""
+    pytest.importorskip("llguidance")
+    gt = bench_script("grammar_threads")
+    schema = tmp_path / "schema.json"
+    assert gt.main(["--write-schema", str(schema)]) is None
+    from batchgen.bench_features import FEATURE_SCHEMA
+
+    assert json.loads(schema.read_text())["schema"] == FEATURE_SCHEMA
+    res = gt.main(["--schema-file", str(schema), "--rows", "4", "--kept", "1,2c,0", "--threads", "1,2", "--steps", "7",
+                   "--out", str(tmp_path / "gt.json")])  # fmt: skip
+    assert [(r["threads"], r["kept"]) for r in res["runs"]] == [(t, k) for t in (1, 2) for k in ("1", "2c", "0")]
+    assert all(r["ms"] > 0 and r["first5_ms"] > 0 for r in res["runs"])
+    assert res["vocab"] == res["n_vocab"] == 4096 and json.loads((tmp_path / "gt.json").read_text()) == res
