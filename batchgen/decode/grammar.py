@@ -12,8 +12,12 @@ which carries to a machine without a package index (xgrammar needs torch,
 triton and transformers). Its masks cost more per row-token than xgrammar's
 (87 against 35 us at a 100k vocabulary, 35 against 2 us at the demo's 4k, on
 a 2-core CPU, 2026-12-03): the scheduler makes them while the GPU runs the
-step they are for, and `LLExecutor` spreads a batch's rows over the host's
-cores. JSON rows measured below 0.85x of free rows on the H200 bench
+step they are for. `LLExecutor` would spread a batch's rows over the host's
+cores, but the jobs' matchers are copies of one kept matcher, which share its
+parser behind one lock, so their masks are made one row at a time; matchers
+built apart per thread filled 3x faster on 16 cores but did not shorten a
+whole run's JSON steps (bench/RESULTS.md "Dataset-generation features on the
+batch path"). JSON rows measured below 0.85x of free rows on the H200 bench
 (`batchgen bench --features`) would reopen the choice.
 
 Optional: `pip install 'batchgen[grammar]'`; without it a job that asks for a
@@ -82,7 +86,8 @@ class Grammars:
 
     def fill(self, matchers: list, out: np.ndarray) -> None:
         """Each (matcher, row) pair's mask into row `row` of `out` (rows, words)
-        int32, in parallel over the host's cores. A matcher in an error state
+        int32, through the executor (copies of one kept matcher one after
+        another: they share its lock). A matcher in an error state
         (never, with its own masks applied) allows only EOS, so the job ends."""
         good = [(m, i) for m, i in matchers if not m.is_error()]
         if good:
@@ -94,8 +99,9 @@ class Grammars:
                     out[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
 
     def consume(self, pairs: list) -> None:
-        """Each (matcher, token) pair's matcher takes its token, in parallel over
-        the host's cores; a finished matcher (the JSON closed) takes nothing more."""
+        """Each (matcher, token) pair's matcher takes its token, through the
+        executor (as `fill`, copies of one kept matcher one after another); a
+        finished matcher (the JSON closed) takes nothing more."""
         pairs = [(m, t) for m, t in pairs if not m.is_stopped()]
         if pairs:
             self.executor.consume_token_par(pairs)

@@ -33,7 +33,7 @@ logprobs: `Job.needs_logits`) get them from the same step and pick outside it
 step's tokens, logprobs from the raw logits, read back with the tokens. A
 grammar row's mask needs its previous token: such a step is queued without
 its pick, the previous step is read back and the matchers take their tokens,
-then the masks are made on the host (over its cores) while the GPU runs the
+then the masks are made on the host while the GPU runs the
 queued forward pass, and the pick is queued behind it. A job of n samples is
 n rows of one prompt, prefilled once, merged into one result as the last ends.
 
