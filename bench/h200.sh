@@ -22,7 +22,9 @@
 #   tqprobe    TurboQuant one at a time: bench/turboquant_passes.py (plain steps and short verify
 #              passes against fp16 at 300 and 2,000 tokens of history), then bench/first_line.py
 #              over the first 40 edit jobs, fp16 and TurboQuant, fresh processes (TQ_ROUNDS
-#              rounds; with BASELINE the TurboQuant rows of each side in turn)
+#              rounds; with BASELINE the TurboQuant rows of each side in turn, the order reversed
+#              every other round; TQ_WARM=1 runs a TurboQuant process first, which pays a fresh
+#              machine's kernel builds; TQ_PASSES=0 skips the passes bench)
 #   builds     batchgen's kernel builds kept on disk or not (kernels/builds.py): its cuda test
 #              (MLX loads a kept build), then fresh TurboQuant one-at-a-time processes over the
 #              first 40 edit jobs: BATCHGEN_KERNEL_BUILDS=0 (MLX compiles them in every process),
@@ -168,16 +170,24 @@ stage_load() {  # each round: torch hidden from mlx-lm's import (the default), t
 }
 
 stage_tqprobe() {  # with BASELINE, each side in turn; TQ_ROUNDS (default 1) fresh-process rounds
-  local s round
-  for s in $(sides); do
-    step "tq_passes_$s" 200 $(side "$s") python3 bench/turboquant_passes.py --contexts 300,2000 --lengths 1,6 \
-      --out "$R/tq_passes_$s.json"
-  done
+  local s round order
+  if [[ ${TQ_PASSES:-1} == 1 ]]; then
+    for s in $(sides); do
+      step "tq_passes_$s" 200 $(side "$s") python3 bench/turboquant_passes.py --contexts 300,2000 --lengths 1,6 \
+        --out "$R/tq_passes_$s.json"
+    done
+  fi
   head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
+  if [[ ${TQ_WARM:-0} == 1 ]]; then  # a machine's first TurboQuant process pays its kernel builds: not a side's
+    step fl_tq_warm 200 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_tq_warm.json" \
+      -- --batch-size 1 --kv-cache turboquant
+  fi
   for round in $(seq "${TQ_ROUNDS:-1}"); do
     step "fl_fp16_$round" 120 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fl_fp16_$round.json" \
       -- --batch-size 1
-    for s in $(sides); do
+    order=$(sides)
+    ((round % 2 == 0)) && order=$(echo "$order" | tac)  # the sides' order reversed every other round
+    for s in $order; do
       step "fl_tq_${s}_$round" 200 $(side "$s") python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 \
         --out "$R/fl_tq_${s}_$round.json" -- --batch-size 1 --kv-cache turboquant
     done
