@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b")
     ap.add_argument("--dtype", default=None, help="the shape's dtype (default bfloat16)")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a model folder's tokenizer for the shape (default the demo's; bench/grammar_masks.py "
+                         "--save-tokenizer makes one of a real model's size)")
     ap.add_argument("--jobs", type=int, default=256)
     ap.add_argument("--rows", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     jobs_path = Path(__file__).resolve().parents[1] / "jobs/freeform.jsonl"
     cfg = BenchConfig(engine=EngineConfig(model=a.shape), jobs_path=jobs_path, shape=a.shape, dtype=a.dtype,
-                      max_tokens=a.max_tokens)
+                      max_tokens=a.max_tokens, tokenizer_path=a.tokenizer)
     _, tokenizer, engine, _ = load_pair(cfg, plain=False)
     jobs = repeat_jobs(bench_jobs(cfg, tokenizer)[0], a.jobs)
     schema = json.dumps(FEATURE_SCHEMA, sort_keys=True)

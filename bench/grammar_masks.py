@@ -13,6 +13,7 @@ engine compiles the schema, accepts a valid instance and rejects an invalid one
 (token by token through its masks, as decoding would meet them).
 
     python bench/grammar_masks.py --train-vocab 100000 --rows 32 --out bench/results/DIR/grammar_masks.json
+    python bench/grammar_masks.py --train-vocab 100000 --save-tokenizer DIR   # a tokenizer folder, for `--model DIR`
 
 Engines that are not installed are reported as such. xgrammar imports torch at
 the top of its module for its tensor helpers; where torch is missing a stand-in
@@ -377,7 +378,18 @@ def _walk(engine, schema, tokens: list[int], words: int) -> bool:
     return engine.accepting(m)
 
 
-def main() -> None:
+def save_tokenizer(hf, out: Path) -> Path:
+    """`hf` as a model folder's tokenizer (the demo's chat template beside it): what
+    `batchgen bench --shape S --model DIR` reads, to measure a random-weight shape with a
+    vocabulary of a real model's size (the demo's has 4,096 tokens; a grammar's masks
+    cost by the vocabulary)."""
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out))
+    (out / "chat_template.jinja").write_text((ROOT / "batchgen/demo/chat_template.jinja").read_text())
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--train-vocab", type=int, default=None, help="a byte-level BPE of this many tokens (else the demo's 4,096)")
     p.add_argument("--rows", type=int, default=32)
@@ -385,8 +397,13 @@ def main() -> None:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--cache", type=Path, default=Path("/tmp/batchgen-bench-tokenizers"))
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
+    p.add_argument("--save-tokenizer", type=Path, default=None,
+                   help="write the tokenizer as a model folder's (with the demo's chat template) and stop")
+    args = p.parse_args(argv)
     hf = trained_tokenizer(args.train_vocab, args.cache) if args.train_vocab else demo_tokenizer()
+    if args.save_tokenizer:
+        save_tokenizer(hf, args.save_tokenizer)
+        return
     vocab = len(hf)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python"] + sys.argv), "python": platform.python_version(),

@@ -37,7 +37,9 @@
 #              -d .gpu/) is unpacked into /tmp/site.
 #   phases     where a batched step's host time goes, free against JSON-schema and logprobs rows
 #              (bench/feature_phases.py; PHASE_SHAPES, default the 0.5B and 7B shapes; needs
-#              llguidance as features does)
+#              llguidance as features does). With VOCAB=N (phases and features) the shapes take a
+#              trained N-token tokenizer (bench/grammar_masks.py --save-tokenizer): the demo's
+#              4,096 tokens understate a real vocabulary's mask cost
 #   grammar_threads  llguidance's mask time a step for 256 and 32 rows, matchers copied from one
 #              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
@@ -217,13 +219,20 @@ grammar_engine() {  # llguidance from its abi3 wheel in .gpu/, where the machine
   fi
 }
 
-stage_phases() {
+vocab_tokenizer() {  # VOCAB=N: a trained N-token tokenizer folder's --model/--tokenizer option (else none)
+  [[ -z ${VOCAB:-} ]] && return
+  [[ -d /tmp/tok$VOCAB ]] || python3 bench/grammar_masks.py --train-vocab "$VOCAB" --save-tokenizer "/tmp/tok$VOCAB" >&2
+  echo "$1 /tmp/tok$VOCAB"
+}
+
+stage_phases() {  # VOCAB=N: the shapes with a trained tokenizer of N tokens (a real model's mask cost)
   grammar_engine
-  local s shape
+  local s shape tok
+  tok=$(vocab_tokenizer --tokenizer)
   for shape in ${PHASE_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
     for s in $(sides); do
       step "phases_${shape}_$s" 240 $(side "$s") python3 bench/feature_phases.py --shape "$shape" --jobs 256 \
-        --rows auto --repeats 2 --out "$R/phases_${shape}_$s.json"
+        --rows auto --repeats 2 $tok --out "$R/phases_${shape}_$s.json"
     done
   done
   return 0
@@ -241,10 +250,11 @@ stage_grammar_threads() {
 
 stage_features() {
   grammar_engine
-  local s shape=${FEATURES_SHAPE:-qwen2.5-0.5b}
+  local s shape=${FEATURES_SHAPE:-qwen2.5-0.5b} tok
+  tok=$(vocab_tokenizer --model)  # VOCAB=N, as phases
   for s in $(sides); do  # FEATURES_ARGS, e.g. "--samples 8x2x64 --throughput-repeats 3" for a short A/B
     step "features_${shape}_$s" "${FEATURES_S:-540}" $(side "$s") python3 -m batchgen bench jobs/freeform.jsonl \
-      --shape "$shape" --features --throughput 32,auto --jobs-total 256 --max-tokens 128 \
+      --shape "$shape" $tok --features --throughput 32,auto --jobs-total 256 --max-tokens 128 \
       ${FEATURES_ARGS:---samples 64x8x1536 --throughput-repeats 3} --out "$R/features_${shape}_$s.json"
   done
 }

@@ -335,3 +335,23 @@ def test_grammar_threads_times_masks_for_each_way_of_making_matchers(tmp_path):
     assert [(r["threads"], r["kept"]) for r in res["runs"]] == [(t, k) for t in (1, 2) for k in ("1", "2c", "0")]
     assert all(r["ms"] > 0 and r["first5_ms"] > 0 for r in res["runs"])
     assert res["vocab"] == res["n_vocab"] == 4096 and json.loads((tmp_path / "gt.json").read_text()) == res
+
+
+def test_a_trained_tokenizer_saved_as_a_model_folder_serves_a_shape(tmp_path):
+    """`grammar_masks.py --save-tokenizer`: mlx-lm's loader reads the folder (chat template
+    and all), and the phases probe runs a shape's JSON rows through it."""
+    pytest.importorskip("llguidance")
+    from mlx_lm.utils import load_tokenizer
+
+    gm = bench_script("grammar_masks")
+    out = tmp_path / "tok"
+    gm.main(["--train-vocab", "600", "--cache", str(tmp_path / "cache"), "--save-tokenizer", str(out)])
+    tok = load_tokenizer(out)
+    assert len(tok.vocab) == 600 and tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "def f(x): return x"}], tokenize=False,
+                                   add_generation_prompt=True)  # fmt: skip
+    assert text.startswith("<|im_start|>") and tok.decode(tok.encode("def f(x): return x")) == "def f(x): return x"
+    phases = bench_script("feature_phases")
+    runs = phases.main(["--shape", "tiny", "--dtype", "float32", "--jobs", "2", "--rows", "2", "--max-tokens", "4",
+                        "--repeats", "1", "--tokenizer", str(out)])  # fmt: skip
+    assert runs["json"][0]["ms_per_step"]["fill"] > 0
