@@ -32,6 +32,10 @@ from batchgen.decode import grammar  # noqa: E402
 from batchgen.engine.scheduler import BatchScheduler  # noqa: E402
 
 T = defaultdict(float)
+# (owner, method, phase): each method's wall time is added to its phase's
+PHASES = [(BatchScheduler, "_queue_step", "queue"), (BatchScheduler, "_read", "read+wait"),
+          (BatchScheduler, "_pick", "pick"), (BatchScheduler, "_start", "start"),
+          (grammar.Grammars, "fill", "fill"), (grammar.Grammars, "consume", "consume")]
 
 
 def timed(owner, name, key):
@@ -71,19 +75,15 @@ def main(argv: list[str] | None = None) -> dict:
     rows = a.rows if a.rows == "auto" else int(a.rows)
     real_read = BatchScheduler._read
 
-    def read(self, step, *nxt):  # (a tree whose `_read` takes the next step too)
+    def read(self, step):
         t0 = time.perf_counter()
         mx.eval(step.tokens, *[x for x in step.logprobs or () if x is not None])
         T["wait"] += time.perf_counter() - t0
-        return real_read(self, step, *nxt)
+        return real_read(self, step)
 
-    saved = {(o, n): getattr(o, n) for o, n in [(BatchScheduler, "_read"), (BatchScheduler, "_queue_step"),
-                                                 (BatchScheduler, "_pick"), (BatchScheduler, "_start"),
-                                                 (grammar.Grammars, "fill"), (grammar.Grammars, "consume")]}
+    saved = {(owner, name): getattr(owner, name) for owner, name, _ in PHASES}
     BatchScheduler._read = read
-    for owner, name, key in [(BatchScheduler, "_queue_step", "queue"), (BatchScheduler, "_read", "read+wait"),
-                             (BatchScheduler, "_pick", "pick"), (BatchScheduler, "_start", "start"),
-                             (grammar.Grammars, "fill", "fill"), (grammar.Grammars, "consume", "consume")]:
+    for owner, name, key in PHASES:
         timed(owner, name, key)
     out = {}
     try:

@@ -25,7 +25,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-
 def schema_and_layout(path: Path | None) -> tuple[dict, dict]:
     """The features bench's schema and batchgen's JSON layout, or both from a
     file written by `--write-schema` (a machine without MLX, which batchgen's
@@ -86,8 +85,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     from tokenizers import Tokenizer
 
     text = a.tokenizer.read_text()
-    size = Tokenizer.from_str(text).get_vocab_size()
-    eos = [Tokenizer.from_str(text).token_to_id("<|endoftext|>") or 0]
+    parsed = Tokenizer.from_str(text)
+    size = parsed.get_vocab_size()
+    eos = [parsed.token_to_id("<|endoftext|>") or 0]
     n_vocab = a.n_vocab or size
     tok = lib.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
     grammar = lib.LLMatcher.grammar_from_json_schema(json.dumps(schema, sort_keys=True), defaults=layout)
