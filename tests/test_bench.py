@@ -355,3 +355,22 @@ def test_a_trained_tokenizer_saved_as_a_model_folder_serves_a_shape(tmp_path):
     runs = phases.main(["--shape", "tiny", "--dtype", "float32", "--jobs", "2", "--rows", "2", "--max-tokens", "4",
                         "--repeats", "1", "--tokenizer", str(out)])  # fmt: skip
     assert runs["json"][0]["ms_per_step"]["fill"] > 0
+
+
+def test_attention_plans_times_each_mask_kind_and_counts_the_shapes(tmp_path):
+    """Each mask kind times every prompt length; the padded bias form makes fewer
+    distinct (queries, keys) shapes than the prompt's own, and its padded mask lets the
+    real queries read exactly what the unpadded one does."""
+    ap = bench_script("attention_plans")
+    out = tmp_path / "plans.json"
+    result = ap.main(["--dtype", "float32", "--lengths", "70,90,130,200", "--prefix", "8", "--reps", "1",
+                      "--heads", "4,2", "--dim", "32", "--out", str(out)])  # fmt: skip
+    rows = result["rows"]
+    assert [(r["mask"], r["queries"]) for r in rows] == [(m, n) for m in ap.MASKS for n in (70, 90, 130, 200)]
+    assert all(r["first_ms"] > 0 and r["repeat_ms"] > 0 for r in rows)
+    assert {k: v["shapes"] for k, v in result["summary"].items()} == {"causal": 4, "bias": 4, "bias_padded": 2}
+    assert [r["shape"] for r in rows if r["mask"] == "bias_padded"] == [[128, 128], [128, 128], [256, 256], [256, 256]]
+    assert json.loads(out.read_text())["rows"] == rows
+    *_, own = ap.pass_arrays("bias", 70, 78, 4, 2, 32, mx.float32)
+    *_, padded = ap.pass_arrays("bias_padded", 70, 78, 4, 2, 32, mx.float32)
+    assert (padded[..., :70, :78] == own[..., :70, :78]).all() and (padded[..., :70, 78:] == -mx.inf).all()
