@@ -214,6 +214,10 @@ def test_flash_mask_literal():
     # Sinks (position 0 here) are read as sinks, never from the tail.
     bias = tqa.fused_prefill_mask(2, 3, 1, 3, 8, 6, mx.float32)
     assert np.array(bias[0, 0] == 0).astype(int).tolist() == [[1, 0, 0, 0, 1, 0], [1, 0, 0, 0, 1, 1]]
+    # Padding queries (rows past L_q, their outputs dropped) read every column.
+    bias = tqa.fused_prefill_mask(2, 5, 0, 3, 2, 8, mx.float32, rows=4)
+    readable = np.array(bias[0, 0] == 0).astype(int)
+    assert readable.tolist() == [[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 1, 1], [1] * 8, [1] * 8]
 
 
 def test_unrouted_cache_falls_back_to_fetch():

@@ -102,18 +102,37 @@ def forget_prefill_mask() -> None:
         _FUSED_MASK[:] = [None, None]
 
 
-def fused_prefill_mask(L_q: int, end: int, n_sink: int, n_tail: int, window: int, width: int, dtype) -> mx.array:
-    """The reading rule as an additive mask (1, 1, L_q, width) over the columns
-    [sinks and codes of positions 0 .. end - 1, exact tail end - n_tail .. end - 1,
-    padding]: query i reads j <= i from its exact copy when i - window < j and j is
-    past the sinks, from its codes (or sink) otherwise.
+def fused_shape(L_q: int, keys: int) -> Tuple[int, int]:
+    """The (queries, keys) a fused pass is padded to: queries to the next power of
+    two, keys to a multiple of max(128, that). cuDNN builds a plan per shape, 50-120 ms
+    on an H100 (bench/RESULTS.md#turboquant-prefill-plans), more than the pass itself:
+    unpadded, every prompt of a one-at-a-time run built its own. Padding costs at most
+    twice the pass's attention (none of its projections); a plan cache kept across
+    processes, or passes long enough that the attention dominates, would undo it.
+
+    >>> [fused_shape(L, k) for L, k in ((1, 5), (100, 130), (300, 700), (512, 1025))]
+    [(1, 128), (128, 256), (512, 1024), (512, 1536)]
+    """
+    queries = 1 << max(0, L_q - 1).bit_length()
+    tile = max(128, queries)
+    return queries, -(-keys // tile) * tile
+
+
+def fused_prefill_mask(
+    L_q: int, end: int, n_sink: int, n_tail: int, window: int, width: int, dtype, rows: int = 0
+) -> mx.array:
+    """The reading rule as an additive mask (1, 1, max(L_q, rows), width) over the
+    columns [sinks and codes of positions 0 .. end - 1, exact tail end - n_tail ..
+    end - 1, padding]: query i reads j <= i from its exact copy when i - window < j
+    and j is past the sinks, from its codes (or sink) otherwise. Rows past L_q
+    (padding queries, whose outputs are dropped) read every column.
 
     E.g. queries at 3 and 4 (L_q 2, end 5), no sinks, a tail of 3 (positions 2..4),
     window 2, width 8 -> readable (1) columns, codes 0..4 | tail 2..4:
         query 3: 1 1 0 0 0 | 1 1 0
         query 4: 1 1 1 0 0 | 0 1 1
     """
-    key = (L_q, end, n_sink, n_tail, window, width, dtype)
+    key = (L_q, end, n_sink, n_tail, window, width, dtype, rows)
     if _FUSED_MASK[0] == key:
         return _FUSED_MASK[1]
     q_pos = mx.arange(end - L_q, end)[:, None]
@@ -126,6 +145,8 @@ def fused_prefill_mask(L_q: int, end: int, n_sink: int, n_tail: int, window: int
     stored = (q_pos >= k_pos) & ~(exact(k_pos) & (k_pos >= end - n_tail))
     padding = mx.zeros((L_q, width - end - n_tail), mx.bool_)
     readable = mx.concatenate([stored, exact(t_pos), padding], axis=1)
+    if rows > L_q:
+        readable = mx.concatenate([readable, mx.ones((rows - L_q, width), mx.bool_)], axis=0)
     bias = mx.where(readable, 0.0, -mx.inf).astype(dtype)[None, None]
     # Kept for the next layer of the same pass (one entry: the last pass's).
     _FUSED_MASK[:] = [key, bias]
@@ -138,7 +159,7 @@ def fused_attention(q, parts, end, window, scale):
     exact tail beside them, the reading rule as a mask. On CUDA that is cuDNN's fused
     attention: no L_q x L float32 scores in memory, one kernel instead of dozens of ops
     per block of queries (bench/RESULTS.md#turboquant-prefill). q rotated, not
-    scaled."""
+    scaled; padded to `fused_shape` (zero queries, zero keys never read)."""
     sinks, coded, tail = parts
     keys, values = [], []
     for part in (sinks, coded.decoded() if coded is not None else None, tail):
@@ -147,17 +168,19 @@ def fused_attention(q, parts, end, window, scale):
             values.append(part[1])
     n_sink = 0 if sinks is None else sinks[0].shape[2]
     n_tail = 0 if tail is None else tail[0].shape[2]
-    # Whole 128-key tiles (padding never read): the fused kernel's plans are per
-    # shape, and tiles keep the bias rows aligned.
-    width = -(-(end + n_tail) // 128) * 128
+    L_q = q.shape[2]
+    rows, width = fused_shape(L_q, end + n_tail)
     if width > end + n_tail:
         pad = (*keys[0].shape[:2], width - end - n_tail)
         keys.append(mx.zeros((*pad, keys[0].shape[3]), keys[0].dtype))
         values.append(mx.zeros((*pad, values[0].shape[3]), values[0].dtype))
-    bias = fused_prefill_mask(q.shape[2], end, n_sink, n_tail, window, width, q.dtype)
-    return mx.fast.scaled_dot_product_attention(
+    if rows > L_q:
+        q = mx.pad(q, [(0, 0), (0, 0), (0, rows - L_q), (0, 0)])
+    bias = fused_prefill_mask(L_q, end, n_sink, n_tail, window, width, q.dtype, rows)
+    out = mx.fast.scaled_dot_product_attention(
         q, mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2), scale=scale, mask=bias
     )
+    return out if rows == L_q else out[:, :, :L_q]
 
 
 def rotated_attention(q, parts, end, window, mask):
