@@ -106,8 +106,10 @@ def fused_shape(L_q: int, keys: int) -> Tuple[int, int]:
     """The (queries, keys) a fused pass is padded to: queries to the next power of
     two, keys to a multiple of max(128, that). cuDNN builds a plan per shape, 50-120 ms
     on an H100 (bench/RESULTS.md#turboquant-prefill-plans), more than the pass itself:
-    unpadded, every prompt of a one-at-a-time run built its own. Padding costs at most
-    twice the pass's attention (none of its projections); a plan cache kept across
+    unpadded, every prompt of a one-at-a-time run built its own. The padding is
+    attention only (none of the projections): under twice the queries, and under one
+    more multiple of the padded queries in keys (up to ~4x the attention of a prompt
+    with no cached prefix, under 2x over a long one). A plan cache kept across
     processes, or passes long enough that the attention dominates, would undo it.
 
     >>> [fused_shape(L, k) for L, k in ((1, 5), (100, 130), (300, 700), (512, 1025))]
