@@ -25,6 +25,9 @@
 #              rounds; with BASELINE the TurboQuant rows of each side in turn, the order reversed
 #              every other round; TQ_WARM=1 runs a TurboQuant process first, which pays a fresh
 #              machine's kernel builds; TQ_PASSES=0 skips the passes bench)
+#   plans      mx.fast attention's first call of each (queries, keys) shape against a repeat, causal,
+#              bias and bias padded to `fused_shape` (bench/attention_plans.py; the 0.5B, 7B and
+#              demo model's heads)
 #   builds     batchgen's kernel builds kept on disk or not (kernels/builds.py): its cuda test
 #              (MLX loads a kept build), then fresh TurboQuant one-at-a-time processes over the
 #              first 40 edit jobs: BATCHGEN_KERNEL_BUILDS=0 (MLX compiles them in every process),
@@ -193,6 +196,15 @@ stage_tqprobe() {  # with BASELINE, each side in turn; TQ_ROUNDS (default 1) fre
       step "fl_tq_${s}_$round" 200 $(side "$s") python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 \
         --out "$R/fl_tq_${s}_$round.json" -- --batch-size 1 --kv-cache turboquant
     done
+  done
+  return 0
+}
+
+stage_plans() {
+  local h
+  for h in "05b 14,2 64" "7b 28,4 128" "demo 4,2 32"; do
+    set -- $h
+    step "plans_$1" 60 python3 bench/attention_plans.py --heads "$2" --dim "$3" --out "$R/plans_$1.json"
   done
   return 0
 }
