@@ -9,7 +9,8 @@ process; the output file is polled every 5 ms for its first complete line. A
 machine's first process pays MLX's kernel builds (unless `batchgen warm-up` ran
 before it); later ones load them: run this twice, or with --runs 2, to see both.
 Prints one JSON object per run (each job's prefill and decode seconds, decode tok/s and
-forward passes under `per_job`) and writes them all to --out.
+forward passes under `per_job`, their sums under `jobs_total`), then a line of its
+figures, and writes them all to --out.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def one_run(jobs: Path, options: list[str], workdir: Path, i: int) -> dict:
                    completion_tokens=(s.get("tokens") or {}).get("completion"),
                    tok_s_less_load=round((s.get("tokens") or {}).get("completion", 0) / max(total - load, 1e-9), 1))
     row["per_job"] = per_job(out)
+    row["jobs_total"] = job_totals(row["per_job"])
     if proc.returncode != 0:
         row["stderr_tail"] = err.decode(errors="replace")[-500:]
     return row
@@ -72,6 +74,25 @@ def per_job(out: Path) -> list[dict]:
     return rows
 
 
+def job_totals(jobs: list[dict]) -> dict:
+    """The jobs' summed prompt-pass and decode seconds and forward passes: a run's time
+    split between prompts and decoding, beside its wall time.
+
+    >>> job_totals([{"prefill_s": 0.25, "decode_s": 1.0, "forward_passes": 9},
+    ...             {"prefill_s": 0.5, "decode_s": None, "forward_passes": 3}])
+    {'prefill_s': 0.75, 'decode_s': 1.0, 'forward_passes': 12}
+    """
+    return {k: round(sum(j.get(k) or 0 for j in jobs), 3) for k in ("prefill_s", "decode_s", "forward_passes")}
+
+
+def brief(row: dict) -> str:
+    """One line of a run's figures (the device script shows each step's last lines)."""
+    t = row.get("jobs_total") or {}
+    return (f"tok/s less load {row.get('tok_s_less_load')}, first line less load {row.get('first_line_less_load_s')} s, "
+            f"prompts {t.get('prefill_s')} s, decode {t.get('decode_s')} s, passes {t.get('forward_passes')}, "
+            f"tokens {row.get('completion_tokens')}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -86,6 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for i in range(args.runs):
             row = one_run(args.jobs, extra, Path(tmp), i)
             print(json.dumps(row), flush=True)
+            print(brief(row), flush=True)
             rows.append(row)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

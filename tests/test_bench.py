@@ -273,6 +273,9 @@ def test_first_line_times_whole_run_processes(tmp_path, model):
     assert [j["id"] for j in row["per_job"]] == ["j0", "j1"]
     assert sum(j["completion_tokens"] for j in row["per_job"]) == 12
     assert all(j["forward_passes"] >= 1 and j["decode_s"] >= 0 for j in row["per_job"])
+    assert row["jobs_total"]["forward_passes"] == sum(j["forward_passes"] for j in row["per_job"])
+    assert row["jobs_total"]["prefill_s"] == round(sum(j["prefill_s"] for j in row["per_job"]), 3)
+    assert first_line.brief(row).endswith(f"passes {row['jobs_total']['forward_passes']}, tokens 12")
 
 
 def test_turboquant_passes_times_both_caches_at_each_length(tmp_path, model):
