@@ -47,8 +47,10 @@
 #              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
 # in turn with this tree in the same call (SIDES="old new" for the other order, PLD_ROUNDS=N
-# to repeat the PLD row); only ratios within one call are compared. bench/RESULTS.md
-# ("How to measure") says how to read them.
+# to repeat the PLD row). OLD_ENV="NAME=VALUE ..." runs that side with those settings, with
+# or without BASELINE (e.g. MLX_MAX_OPS_PER_BUFFER=1000: the ops MLX records into one CUDA
+# graph). Only ratios within one call are compared; bench/RESULTS.md ("How to measure")
+# says how to read them.
 # Results land under $OUT/results (logs and JSON), packed as results.tgz.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -59,15 +61,15 @@ DEADLINE=$((SECONDS + ${BUDGET_S:-570}))  # the whole call's time; results are p
 
 . "$(dirname "$0")/step.sh"  # step NAME SECONDS CMD...
 
-sides() {  # "new" (this tree) and, with BASELINE, "old", in the order SIDES gives (default: new old)
+sides() {  # "new" (this tree) and, with BASELINE or OLD_ENV, "old", in the order SIDES gives (default: new old)
   local s
   for s in ${SIDES:-new old}; do
-    [[ $s == new || -n ${BASELINE:-} ]] && echo "$s"
+    [[ $s == new || -n ${BASELINE:-} || -n ${OLD_ENV:-} ]] && echo "$s"
   done
 }
 
-side() {  # the command prefix that runs from that side's tree (none for this one)
-  [[ $1 == old ]] && echo "env -C $BASELINE PYTHONPATH=/tmp/site:$BASELINE"
+side() {  # the command prefix that runs that side: BASELINE's tree and/or OLD_ENV's settings (none for new)
+  [[ $1 == old ]] && echo "env ${BASELINE:+-C $BASELINE} ${OLD_ENV:-} ${BASELINE:+PYTHONPATH=/tmp/site:$BASELINE}"
 }
 
 stage_env() {
