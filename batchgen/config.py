@@ -24,8 +24,8 @@ CPU_PLD_MAX_LOOKUP = 16
 # A TurboQuant cache keeps exact copies of the tokens a verify pass may trim,
 # 2 * (lookup + 1) a layer, bytes every job pays: its jobs' drafts stay short
 # (at 16 a 600-token job passed the 0.30x of the fp16 bytes tests/test_compose.py holds it to).
-# One at a time this cap is what keeps TurboQuant behind fp16 (0.73x on an H100, 1,791
-# passes against 970: bench/RESULTS.md#turboquant-one-job-passes). A pass of up to the
+# One at a time this cap is most of what keeps TurboQuant behind fp16 (0.55-0.81x on an
+# H100, 1,790 passes against ~970: bench/RESULTS.md#turboquant-prefill-plans). A pass of up to the
 # window's 8 tokens is one step launch a layer, so 7 costs no more launches for 4 more exact
 # tokens a layer: on an H100 it took 15% fewer passes and 5-14% less decode, but whole runs
 # moved by -5% to +9%, within the noise (bench/RESULTS.md#turboquant-prefill-plans); a
