@@ -27,7 +27,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the batchgen of the tree this script is in
 
-from batchgen.cache.turboquant_attention import fused_shape  # noqa: E402
+from batchgen.cache.turboquant_attention import fused_prefill_mask, fused_shape  # noqa: E402
 
 MASKS = ("causal", "bias", "bias_padded")
 LENGTHS = "70,90,110,130,170,210,250,290,330,370"
@@ -49,11 +49,8 @@ def pass_arrays(kind: str, L_q: int, keys: int, hq: int, hkv: int, dim: int, dty
     v = mx.random.normal((1, hkv, width, dim)).astype(dtype)
     if kind == "causal":
         return q, k, v, "causal"
-    q_pos = mx.arange(keys - L_q, keys)[:, None]
-    readable = q_pos >= mx.arange(width)[None]
-    if rows > L_q:
-        readable = mx.concatenate([readable, mx.ones((rows - L_q, width), mx.bool_)])
-    return q, k, v, mx.where(readable, 0.0, -mx.inf).astype(dtype)[None, None]
+    # TurboQuant's own mask, no sinks or exact tail: causal over the prompt, padding unread.
+    return q, k, v, fused_prefill_mask(L_q, keys, 0, 0, 1, width, dtype, rows)
 
 
 def measure(lengths, prefix, hq, hkv, dim, reps, dtype) -> list[dict]:
