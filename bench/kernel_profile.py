@@ -13,7 +13,7 @@ then mx.fast attention over an fp16 cache of the same context for every layer.
 
 Only the profiled range (one step, or `--steps`, between cuProfilerStart and
 cuProfilerStop) is measured; before it, the same step's wall time is taken (ms a step,
-pipelined, no profiler range open) and printed. `summary` sums the CSV's kernel times
+pipelined, no profiler range open) and printed, with the host's share queueing it. `summary` sums the CSV's kernel times
 by family (the kernel name up to its first '<' or '('), largest first, in us, leaving
 out the range's first kernel: under ncu it reads hundreds of us however small it is.
 ncu runs kernels one at a time with the host's work between them, so a short kernel
@@ -80,24 +80,29 @@ def _stepper(model, kernel: bool = True):
     return lambda cache, y: steps(cache, y, sample=False)[0].astype(mx.uint32)
 
 
-def _ms_a_step(step, rows: int, n: int = 32) -> float:
-    """ms a step over n pipelined steps (the next queued before the current is read)."""
+def _ms_a_step(step, rows: int, n: int = 32) -> str:
+    """ms a step over n pipelined steps (the next queued before the current is read),
+    and of that the host's time queueing each step (its graph recorded and launched):
+    where queueing is most of the step, the step is bound by the host."""
     import mlx.core as mx
 
     y = mx.zeros((rows,), mx.uint32)
     for _ in range(3):  # warm-up (and recording)
         y = step(y)
     mx.eval(y)
+    queue = 0.0
     start = time.perf_counter()
     cur = step(y)
     mx.async_eval(cur)
     for _ in range(n):
+        t0 = time.perf_counter()
         nxt = step(cur)
         mx.async_eval(nxt)
+        queue += time.perf_counter() - t0
         cur.tolist()
         cur = nxt
     cur.tolist()
-    return (time.perf_counter() - start) * 1e3 / (n + 1)
+    return f"wall_ms_per_step={(time.perf_counter() - start) * 1e3 / (n + 1):.3f} queue_ms_per_step={queue * 1e3 / n:.3f}"
 
 
 def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
@@ -112,7 +117,7 @@ def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
     model(mx.random.randint(0, 1000, (rows, context)), cache=cache)
     mx.eval([c.state for c in cache])
     timed, step = [copy.copy(c) for c in cache], _stepper(model)  # the timing leaves `cache` where it was
-    print(f"{shape} rows={rows} context={context} wall_ms_per_step={_ms_a_step(lambda y: step(timed, y), rows):.3f}")
+    print(f"{shape} rows={rows} context={context} {_ms_a_step(lambda y: step(timed, y), rows)}")
     step = _stepper(model)  # a stepper keeps its cache's recent window: one a cache
     y = mx.zeros((rows,), mx.uint32)
     for _ in range(3):
@@ -178,7 +183,7 @@ def tq_batch(shape: str, rows: int, context: int) -> None:
     mx.eval([layer.step_arrays() for layer in cache])
     step = _stepper(model)
     print(f"{shape} turboquant rows={rows} context={context} "
-          f"wall_ms_per_step={_ms_a_step(lambda y: step(cache, y), rows):.3f}")  # fmt: skip
+          f"{_ms_a_step(lambda y: step(cache, y), rows)}")  # fmt: skip
     y = mx.zeros((rows,), mx.uint32)
     _profiled(lambda: mx.eval(step(cache, y)))
 
