@@ -9,12 +9,16 @@
 attention hook, `step.forward`), rows of context/2 .. context tokens. `tq`: one job's
 TurboQuant step-mode attention over every layer (update_and_fetch + attention),
 then mx.fast attention over an fp16 cache of the same context for every layer.
-`tqbatch`: the compiled step over TurboQuant rows of `context` tokens.
+`tqbatch`: the compiled step over TurboQuant rows of `context` tokens. `sweep` (no
+profiler): the step's wall and queueing time for each of several rows, contexts, warps a
+block of the attention kernels, and host work between steps (`_ms_a_step`), one model build:
+
+    python bench/kernel_profile.py sweep --shape qwen2.5-7b --rows 256 --context 400 --warps 16,4 --host-ms 0,8
 
 Only the profiled range (one step, or `--steps`, between cuProfilerStart and
 cuProfilerStop) is measured; before it, the same step's wall time is taken (ms a step,
-pipelined, no profiler range open) and printed, with the host's share queueing it. `summary` sums the CSV's kernel times
-by family (the kernel name up to its first '<' or '('), largest first, in us, leaving
+pipelined, no profiler range open) and printed, with the host's share queueing it.
+`summary` sums the CSV's kernel times by family (the kernel name up to its first '<' or '('), largest first, in us, leaving
 out the range's first kernel: under ncu it reads hundreds of us however small it is.
 ncu runs kernels one at a time with the host's work between them, so a short kernel
 may read longer than it takes in a pipelined step. Without a CUDA driver the modes
@@ -80,10 +84,13 @@ def _stepper(model, kernel: bool = True):
     return lambda cache, y: steps(cache, y, sample=False)[0].astype(mx.uint32)
 
 
-def _ms_a_step(step, rows: int, n: int = 32) -> str:
+def _ms_a_step(step, rows: int, n: int = 32, host_ms: float = 0.0) -> str:
     """ms a step over n pipelined steps (the next queued before the current is read),
     and of that the host's time queueing each step (its graph recorded and launched):
-    where queueing is most of the step, the step is bound by the host."""
+    where queueing is most of the step, the step is bound by the host. `host_ms`: host
+    work (a sleep) after each step's tokens are read, before the next step is queued, as
+    a grammar's masks are made: the GPU stays busy through it only as far as MLX let the
+    host queue the step ahead (it holds at most 10 of its graph commits in flight)."""
     import mlx.core as mx
 
     y = mx.zeros((rows,), mx.uint32)
@@ -100,22 +107,61 @@ def _ms_a_step(step, rows: int, n: int = 32) -> str:
         mx.async_eval(nxt)
         queue += time.perf_counter() - t0
         cur.tolist()
+        if host_ms:
+            time.sleep(host_ms / 1e3)
         cur = nxt
     cur.tolist()
     return f"wall_ms_per_step={(time.perf_counter() - start) * 1e3 / (n + 1):.3f} queue_ms_per_step={queue * 1e3 / n:.3f}"
+
+
+def _filled_cache(model, rows: int, context: int) -> list:
+    """fp16 batch layers of `rows` rows of context/2 .. context tokens, filled by prompt passes."""
+    import mlx.core as mx
+    from batchgen.cache.fp16 import Fp16BatchCache
+
+    pads = [(context // 2) * i // max(rows - 1, 1) for i in range(rows)]
+    cache = [Fp16BatchCache(pads, kernels=True) for _ in model.layers]
+    for lo in range(0, context, 256):  # chunks: a 7B shape's 256 rows at once would hold GBs of activations
+        model(mx.random.randint(0, 1000, (rows, min(256, context - lo))), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def sweep(shape: str, rows: list[int], contexts: list[int], warps: list[int], host_ms: list[float],
+          steps: int = 32) -> list[str]:  # fmt: skip
+    """`_ms_a_step` for each (rows, context, attention WARPS, host_ms), one model build
+    (a 7B shape's weights take a while): a line each, printed and returned."""
+    import copy
+
+    from batchgen.kernels import attention
+
+    model, lines, before = _step_model(shape), [], attention.WARPS
+    try:
+        for r in rows:
+            for context in contexts:
+                cache = _filled_cache(model, r, context)
+                for w in warps:
+                    attention.WARPS = w  # read when a step is recorded: a new stepper records anew
+                    step = _stepper(model)
+                    for h in host_ms:
+                        timed = [copy.copy(c) for c in cache]
+                        _ms_a_step(lambda y: step(timed, y), r, steps, h)  # the first round builds and warms
+                        line = f"{shape} rows={r} context={context} warps={w} host_ms={h:g} " + \
+                            _ms_a_step(lambda y: step(timed, y), r, steps, h)
+                        print(line, flush=True)
+                        lines.append(line)
+    finally:
+        attention.WARPS = before
+    return lines
 
 
 def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
     import copy
 
     import mlx.core as mx
-    from batchgen.cache.fp16 import Fp16BatchCache
 
     model = _step_model(shape)
-    pads = [(context // 2) * i // max(rows - 1, 1) for i in range(rows)]  # rows of context/2 .. context tokens
-    cache = [Fp16BatchCache(pads, kernels=True) for _ in model.layers]
-    model(mx.random.randint(0, 1000, (rows, context)), cache=cache)
-    mx.eval([c.state for c in cache])
+    cache = _filled_cache(model, rows, context)
     timed, step = [copy.copy(c) for c in cache], _stepper(model)  # the timing leaves `cache` where it was
     print(f"{shape} rows={rows} context={context} {_ms_a_step(lambda y: step(timed, y), rows)}")
     step = _stepper(model)  # a stepper keeps its cache's recent window: one a cache
@@ -222,23 +268,28 @@ def summary(path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="GPU time of each kernel of one decode step (run under ncu; see the top)")
-    ap.add_argument("mode", choices=["step", "tq", "tqbatch", "summary"])
+    ap.add_argument("mode", choices=["step", "tq", "tqbatch", "sweep", "summary"])
     ap.add_argument("path", nargs="?", type=Path, help="summary: the ncu CSV log")
     ap.add_argument("--shape", default="qwen2.5-0.5b", help="a `batchgen bench --shape` name")
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rows", default="8", help="sweep: a comma list")
+    ap.add_argument("--context", default="512", help="sweep: a comma list")
+    ap.add_argument("--warps", default="16", help="sweep: the attention kernels' warps a block, a comma list")
+    ap.add_argument("--host-ms", default="0", help="sweep: host work between steps, ms, a comma list")
     ap.add_argument("--steps", type=int, default=1, help="step: steps in the profiled range")
     a = ap.parse_args()
     if a.mode == "summary":
         if a.path is None:
             ap.error("summary needs the ncu CSV log")
         summary(a.path)
+    elif a.mode == "sweep":
+        ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+        sweep(a.shape, ints(a.rows), ints(a.context), ints(a.warps), [float(x) for x in a.host_ms.split(",")])
     elif a.mode == "step":
-        batch_step(a.shape, a.rows, a.context, a.steps)
+        batch_step(a.shape, int(a.rows), int(a.context), a.steps)
     elif a.mode == "tq":
-        tq_step(a.shape, a.context)
+        tq_step(a.shape, int(a.context))
     else:
-        tq_batch(a.shape, a.rows, a.context)
+        tq_batch(a.shape, int(a.rows), int(a.context))
 
 
 if __name__ == "__main__":
