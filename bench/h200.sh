@@ -43,6 +43,14 @@
 #              llguidance as features does). With VOCAB=N (phases and features) the shapes take a
 #              trained N-token tokenizer (bench/grammar_masks.py --save-tokenizer): the demo's
 #              4,096 tokens understate a real vocabulary's mask cost
+#   fresh      a machine's first `batchgen run` process (fp16, one at a time, the first 40 edit jobs: run this
+#              stage first on a new machine), then the next; after each, the kept builds (MLX's and batchgen's,
+#              kernels/registry.py keep_builds) listed in the order they were written, and the longest gaps
+#              between them (each about one build's compile): what the first process's first line waits for
+#   steps      the 7B step at 256 rows (bench/kernel_profile.py sweep): the attention kernels' warps a block
+#              (16, 4) and host work between steps (0, 8 ms), then the same with MLX's graph commits every
+#              100,000 MB instead of 1,000 (MLX_MAX_MB_PER_BUFFER: MLX holds at most 10 commits in flight, so
+#              a step reading 15 GB of weights can be queued only ~10 GB ahead of the GPU)
 #   grammar_threads  llguidance's mask time a step for 256 and 32 rows, matchers copied from one
 #              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
@@ -249,6 +257,36 @@ stage_phases() {  # VOCAB=N: the shapes with a trained tokenizer of N tokens (a 
         --rows auto --repeats 2 $tok --out "$R/phases_${shape}_$s.json"
     done
   done
+  return 0
+}
+
+stage_fresh() {
+  local i root=${XDG_CACHE_HOME:-$HOME/.cache}/batchgen/mlx-kernels
+  head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
+  for i in 1 2; do
+    step "fresh_fl_$i" 150 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fresh_fl_$i.json" \
+      -- --batch-size 1
+    find "$root" -type f -name '*.ptx' -printf '%T@ %s %P\n' 2>/dev/null | sort -n >"$R/fresh_builds_$i.txt"
+    python3 - "$R/fresh_builds_$i.txt" <<'PY'
+import sys
+rows = [line.strip().split(maxsplit=2) for line in open(sys.argv[1]) if line.strip()]
+t = [float(r[0]) for r in rows]
+gaps = sorted(((b - a, rows[i + 1][2]) for i, (a, b) in enumerate(zip(t, t[1:]))), reverse=True)
+print(f"{len(rows)} builds kept over {t[-1] - t[0] if t else 0:.1f} s; longest gaps before a build:")
+for gap, name in gaps[:12]:
+    print(f"  {gap:6.2f} s  {name[:100]}")
+PY
+  done
+  return 0
+}
+
+stage_steps() {
+  local s
+  step steps_7b 240 python3 bench/kernel_profile.py sweep --shape qwen2.5-7b --rows 256 --context 400 --warps 16,4 \
+    --host-ms 0,8
+  step steps_7b_mb 180 env MLX_MAX_MB_PER_BUFFER=100000 python3 bench/kernel_profile.py sweep --shape qwen2.5-7b \
+    --rows 256 --context 400 --warps 16 --host-ms 0,8
+  for s in steps_7b steps_7b_mb; do grep rows= "$R/$s.log"; done
   return 0
 }
 
