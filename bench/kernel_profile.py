@@ -18,8 +18,9 @@ block of the attention kernels, and host work between steps (`_ms_a_step`), one 
 Only the profiled range (one step, or `--steps`, between cuProfilerStart and
 cuProfilerStop) is measured; before it, the same step's wall time is taken (ms a step,
 pipelined, no profiler range open) and printed, with the host's share queueing it.
-`summary` sums the CSV's kernel times by family (the kernel name up to its first '<' or '('), largest first, in us, leaving
-out the range's first kernel: under ncu it reads hundreds of us however small it is.
+`summary` sums the CSV's kernel times by family (the kernel name up to its first '<' or
+'('), largest first, in us, leaving out the range's first kernel: under ncu it reads
+hundreds of us however small it is.
 ncu runs kernels one at a time with the host's work between them, so a short kernel
 may read longer than it takes in a pipelined step. Without a CUDA driver the modes
 run unprofiled (a check that the script still runs).
