@@ -136,13 +136,13 @@ def sweep(shape: str, rows: list[int], contexts: list[int], warps: list[int], ho
 
     from batchgen.kernels import attention
 
-    model, lines, before = _step_model(shape), [], attention.WARPS
+    model, lines, before = _step_model(shape), [], (attention.WARPS, attention.WIDE_WARPS)
     try:
         for r in rows:
             for context in contexts:
                 cache = _filled_cache(model, r, context)
                 for w in warps:
-                    attention.WARPS = w  # read when a step is recorded: a new stepper records anew
+                    attention.WARPS = attention.WIDE_WARPS = w  # read when a step is recorded: a new stepper records anew
                     step = _stepper(model)
                     for h in host_ms:
                         timed = [copy.copy(c) for c in cache]
@@ -152,7 +152,7 @@ def sweep(shape: str, rows: list[int], contexts: list[int], warps: list[int], ho
                         print(line, flush=True)
                         lines.append(line)
     finally:
-        attention.WARPS = before
+        attention.WARPS, attention.WIDE_WARPS = before
     return lines
 
 

@@ -392,4 +392,4 @@ def test_kernel_profile_sweep_times_every_setting_and_puts_the_warps_back():
     wall = [float(line.split("wall_ms_per_step=")[1].split()[0]) for line in lines]
     queue = [float(line.split("queue_ms_per_step=")[1].split()[0]) for line in lines]
     assert all(q > 0 for q in queue) and min(wall[1], wall[3]) >= 150 * 4 / 5 > max(wall[0], wall[2])
-    assert attention.WARPS == 16
+    assert (attention.WARPS, attention.WIDE_WARPS) == (16, 4)

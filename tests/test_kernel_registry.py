@@ -44,7 +44,8 @@ def record_launch(monkeypatch, op, args, kwargs) -> dict:
 
     def fake_kernel(*_):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
-            seen.update(inputs=inputs, template=template, output_shapes=output_shapes, output_dtypes=output_dtypes)
+            seen.update(inputs=inputs, template=template, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                        threadgroup=threadgroup)
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
         return launch
@@ -112,13 +113,43 @@ def nvrtc_or_skip() -> builds.Nvrtc:
         pytest.skip(str(e))
 
 
-@pytest.mark.parametrize("examples", ["first", pytest.param("all", marks=pytest.mark.slow)])
-def test_sources_compile_for_their_examples(monkeypatch, examples):
+FP16_BATCH_OPS = ("batch_decode", "batch_step", "batch_fused_step")
+
+
+def test_wide_grids_take_fewer_warps_in_the_fp16_batch_kernels_only(monkeypatch):
+    """Every grid counted wide (`attention.WIDE_GRID` 1): the fp16 batch kernels launch
+    `WIDE_WARPS` warps a block (at least one thread per coordinate), the TurboQuant rows'
+    kernels keep `WARPS`; the threads a block and the WARPS constant agree."""
+    from batchgen.kernels import attention
+
+    monkeypatch.setattr(attention, "WIDE_GRID", 1)
+    checked = set()
+    for name, i in CASES:
+        op = registry.OPS[name]
+        args, kwargs = op.examples()[i]
+        seen = record_launch(monkeypatch, op, args, kwargs)
+        template = dict(seen["template"])
+        if name == "few_row_projection" or "WARPS" not in template:  # the projection's warps are its own
+            continue
+        checked.add(name)
+        warps, d = template["WARPS"], template["D"]
+        assert seen["threadgroup"][0] == 32 * warps, name
+        assert warps == (max(attention.WIDE_WARPS, d // 32) if name in FP16_BATCH_OPS else attention.WARPS), name
+    assert checked >= set(FP16_BATCH_OPS) | {"tq_rows_step", "tq_rows_fused_step"}
+
+
+@pytest.mark.parametrize("examples,wide", [("first", False), ("first", True), pytest.param("all", False, marks=pytest.mark.slow)])
+def test_sources_compile_for_their_examples(monkeypatch, examples, wide):
     """Every op's kernel as MLX generates it around the body (`builds.Variant.source`:
     MLX's header, the signature from the names and dtypes, the template constants), at
     each example's constants and dtypes, compiled by NVRTC for the H200 (sm_90a) as MLX
-    compiles it; the first example of each op in the fast suite. No GPU needed."""
+    compiles it; the first example of each op in the fast suite, and again with every
+    grid counted wide (fewer warps a block). No GPU needed."""
     nvrtc = nvrtc_or_skip()
+    if wide:
+        from batchgen.kernels import attention
+
+        monkeypatch.setattr(attention, "WIDE_GRID", 1)
     header = None
     for name, i in CASES:
         if examples == "first" and i:
@@ -150,8 +181,14 @@ def same_codes(got: mx.array, want: mx.array, bits: int, dim: int) -> bool:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name,i", CASES)
-def test_kernel_matches_reference(name, i):
+@pytest.mark.parametrize("name,i,wide", [(n, i, False) for n, i in CASES] + [(n, i, True) for n, i in CASES if n in FP16_BATCH_OPS])
+def test_kernel_matches_reference(monkeypatch, name, i, wide):
+    """Each example against the reference; `wide`: every grid counted wide (the fp16
+    batch kernels with `WIDE_WARPS` warps a block)."""
+    from batchgen.kernels import attention
+
+    if wide:
+        monkeypatch.setattr(attention, "WIDE_GRID", 1)
     op = registry.OPS[name]
     args, kwargs = op.examples()[i]
     got, want = flat(op.launch(*args, **kwargs)), flat(op.reference(*args, **kwargs))

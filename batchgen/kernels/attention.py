@@ -30,8 +30,32 @@ from .registry import Op, constant, register
 # Head sizes these kernels take: D / 8 lanes read a position, a power of two that
 # divides a warp.
 KERNEL_HEAD_SIZES = (32, 64, 128, 256)
-WARPS = 16
 UNROLL = 4
+# Warps a block. A block is one (row, query head) and reads the row's positions
+# WARPS x UNROLL x CPW columns a round. One job's step has only Hq blocks, which
+# need many warps each to keep the GPU busy; a batch of many rows has blocks to
+# spare, and there fewer warps a block ran faster: 256 rows of the 7B shape,
+# whole batched runs at 4 warps, 6-11% more tokens/s (free, JSON and logprobs
+# rows, both orders; H100, bench/RESULTS.md "Batch attention kernel"). WIDE_GRID:
+# 2,048 blocks is under 256 rows of both measured shapes (7,168 and 3,584);
+# smaller grids keep 16 warps, where nothing was measured to beat it, and so do
+# the TurboQuant rows' kernels (`wide` off), not measured with fewer. Runs at 32
+# to 128 rows, or of TurboQuant rows, at 4 and 16 warps would move these.
+WARPS = 16
+WIDE_WARPS = 4
+WIDE_GRID = 2048
+
+
+def warps(blocks: int, d: int, wide: bool = True) -> int:
+    """Warps a block for a launch of `blocks` (rows x query heads) blocks of head
+    size `d`: at least a thread per coordinate (the TurboQuant rows' kernels
+    finish a head with one thread per coordinate).
+
+    >>> warps(28, 128), warps(64 * 28, 128), warps(256 * 28, 128), warps(256 * 28, 256), warps(256 * 28, 128, False)
+    (16, 16, 4, 8, 16)
+    """
+    w = WIDE_WARPS if wide and blocks >= WIDE_GRID else WARPS
+    return max(w, d // 32)
 
 
 def kernel_head_size(*arrays) -> bool:
@@ -52,20 +76,22 @@ def kernel_takes(*arrays) -> bool:
 
 
 def launch(op: Op, queries: mx.array, kv_heads: int, inputs: dict, scale: float, also: dict,
-           q_heads: int | None = None, flat: bool = False, template: tuple = ()) -> list:  # fmt: skip
+           q_heads: int | None = None, flat: bool = False, template: tuple = (), wide: bool = True) -> list:  # fmt: skip
     """Run `op` over q + `inputs` + scale: out (B, q_heads, 1, D) in the queries' dtype
     (the kernel rounds its float32 sums on the way out, which saves each layer of a step
     a cast of its own), then each output named in `also`, shaped like its array there.
     `q_heads`: the query heads, where `queries` holds more heads than that (HT: all of
     them). `flat`: out as (B, q_heads * D), the same memory (the output projection's
-    input). `template`: constants besides the shapes."""
+    input). `template`: constants besides the shapes. `wide`: fewer warps a block on a
+    wide grid (`warps`)."""
     B, all_heads, _, d = queries.shape
     n_heads = q_heads or all_heads
     scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
-    threads = 32 * WARPS
+    w = warps(B * n_heads, d, wide)
+    threads = 32 * w
     return op.kernel()(
         inputs=[queries, *inputs.values(), scale_arr],
-        template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", WARPS),
+        template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", w),
                   ("UNROLL", UNROLL), *template],  # fmt: skip
         grid=(B * n_heads * threads, 1, 1),
         threadgroup=(threads, 1, 1),
@@ -257,7 +283,7 @@ def _tq_kernel(op: Op, q, new: dict, rows: tuple, tabs, signs, left_padding, met
     inputs = {**new, **dict(zip(TQ_ROWS_INPUTS, rows)), "tabs": tabs, "signs": signs,
               "left_padding": left_padding.astype(mx.int32), "meta": meta}  # fmt: skip
     q_heads = q.shape[1] - 2 * rk.shape[1] if flat else None
-    return tuple(launch(op, q, rk.shape[1], inputs, scale, {"rk_out": rk, "rv_out": rv}, q_heads=q_heads,
+    return tuple(launch(op, q, rk.shape[1], inputs, scale, {"rk_out": rk, "rv_out": rv}, q_heads=q_heads, wide=False,
                         flat=flat, template=template))  # fmt: skip
 
 
