@@ -47,10 +47,10 @@
 #              stage first on a new machine), then the next; after each, the kept builds (MLX's and batchgen's,
 #              kernels/registry.py keep_builds) listed in the order they were written, and the longest gaps
 #              between them (each about one build's compile): what the first process's first line waits for
-#   steps      the 7B step at 256 rows (bench/kernel_profile.py sweep): the attention kernels' warps a block
-#              (16, 4) and host work between steps (0, 8 ms), then the same with MLX's graph commits every
-#              100,000 MB instead of 1,000 (MLX_MAX_MB_PER_BUFFER: MLX holds at most 10 commits in flight, so
-#              a step reading 15 GB of weights can be queued only ~10 GB ahead of the GPU)
+#   steps      the 7B step (bench/kernel_profile.py sweep, context 400): the attention kernels' warps a block
+#              (16, 8, 4) at 32, 64 and 128 rows, where `attention.WIDE_GRID` keeps 16 unmeasured; then 256 rows
+#              with host work between steps (0, 8 ms). (MLX's graph commits by size, MLX_MAX_MB_PER_BUFFER, were
+#              measured not to set the 7B step: bench/RESULTS.md "Dataset-generation features on the batch path")
 #   grammar_threads  llguidance's mask time a step for 256 and 32 rows, matchers copied from one
 #              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
@@ -283,11 +283,11 @@ PY
 
 stage_steps() {
   local s
-  step steps_7b 240 python3 bench/kernel_profile.py sweep --shape qwen2.5-7b --rows 256 --context 400 --warps 16,4 \
+  step steps_7b_warps 300 python3 bench/kernel_profile.py sweep --shape qwen2.5-7b --rows 32,64,128 --context 400 \
+    --warps 16,8,4 --host-ms 0
+  step steps_7b_host 180 python3 bench/kernel_profile.py sweep --shape qwen2.5-7b --rows 256 --context 400 --warps 4 \
     --host-ms 0,8
-  step steps_7b_mb 180 env MLX_MAX_MB_PER_BUFFER=100000 python3 bench/kernel_profile.py sweep --shape qwen2.5-7b \
-    --rows 256 --context 400 --warps 16 --host-ms 0,8
-  for s in steps_7b steps_7b_mb; do grep rows= "$R/$s.log"; done
+  for s in steps_7b_warps steps_7b_host; do grep rows= "$R/$s.log"; done
   return 0
 }
 
