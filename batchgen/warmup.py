@@ -9,7 +9,10 @@ them. A cron schedule's first run pays them at its own time; this
 command pays them ahead of it: a few short jobs through each path a run
 takes (one job at a time with prompt lookup, and batched rows; fp16 and
 TurboQuant caches; prompts of a few lengths, so prompt passes of several
-sizes build). Off CUDA there is nothing to keep and the command only runs.
+sizes build). On CUDA the fp16 batched path also runs once as wide as a
+large batch (`attention.wide_rows`: from there the batch attention kernels
+take fewer warps a block, another build). Off CUDA there is nothing to keep and
+the command only runs.
 """
 
 from __future__ import annotations
@@ -84,11 +87,19 @@ def warm_up(config: EngineConfig, kv_kinds: tuple[str, ...] = ("fp16",), batched
     line_tokens = len(engine.tokenizer.encode(_LINE, add_special_tokens=False))
     jobs = warm_up_jobs(line_tokens, engine.context_length, max_tokens)
     resolved = engine.config  # the draft and its ceiling as this device resolved them
+    wide = 0
+    if builds and batched:  # a large fp16 batch's kernels (fewer warps a block) build apart
+        from .engine.entering import attention_heads
+        from .kernels.attention import wide_rows
+
+        wide = wide_rows(attention_heads(engine.model))
     for kind in kv_kinds:
         kv = KVConfig(kind=kind, bits=config.kv.bits)
-        for rows in (1, len(jobs)) if batched else (1,):
+        widths = (1, len(jobs)) + ((wide,) if kind == "fp16" and wide > len(jobs) else ())
+        for rows in widths if batched else (1,):
             engine.config = replace(resolved, kv=kv, batch_size=rows)
-            subset = jobs[: len(jobs) if rows > 1 else 3]
+            # the wide batch's extra rows are copies of the shortest job: the step's width is what builds
+            subset = jobs[:3] if rows == 1 else jobs + [replace(jobs[0], id=f"warm-up-{i}") for i in range(len(jobs), rows)]
             start = time.perf_counter()
             for result in engine.run_all(subset, total=len(subset)):
                 if not result.ok:

@@ -310,6 +310,25 @@ def test_summary_reports_the_batch_and_overall_throughput(tmp_path, model):
         assert c / (wall + 5e-4) - 5e-3 <= s["throughput_tps"] <= c / (wall - 5e-4) + 5e-3
 
 
+def test_warm_up_also_runs_a_batch_wide_enough_for_the_wide_grid_kernels(model, monkeypatch, tmp_path):
+    """Where kernel builds are kept (CUDA; stood in for here), the fp16 batched path
+    runs once more with the rows from which the batch attention kernels take fewer
+    warps (`attention.wide_rows`, made small here; TurboQuant's rows keep theirs):
+    every job of it finishes."""
+    from batchgen.config import EngineConfig
+    from batchgen.kernels import attention, registry
+    from batchgen.warmup import warm_up
+
+    monkeypatch.setattr(registry, "keep_builds", lambda: tmp_path)
+    heads = json.loads((Path(model) / "config.json").read_text())["num_attention_heads"]
+    for wide, widths in [(12, [1, 8, 12]), (8, [1, 8]), (3, [1, 8])]:  # a wide batch of 8 rows or fewer: the 8 rows' run
+        monkeypatch.setattr(attention, "WIDE_GRID", wide * heads)
+        report = warm_up(EngineConfig(model=model, dtype="float32"), ("fp16", "turboquant"))
+        want = [(kind, w, 3 if w == 1 else w) for kind in ("fp16", "turboquant") for w in widths if kind == "fp16" or w <= 8]
+        assert [(kind, rows, jobs) for kind, rows, jobs, _ in report.paths] == want, wide
+    assert report.builds_dir == str(tmp_path)
+
+
 def test_warm_up_runs_each_path_and_says_so_in_one_line(model):
     import re
 

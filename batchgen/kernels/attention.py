@@ -58,6 +58,15 @@ def warps(blocks: int, d: int, wide: bool = True) -> int:
     return max(w, d // 32)
 
 
+def wide_rows(q_heads: int) -> int:
+    """The fewest batch rows whose steps launch a wide grid (`warps`).
+
+    >>> wide_rows(28), wide_rows(14), wide_rows(4096)
+    (74, 147, 1)
+    """
+    return -(-WIDE_GRID // q_heads)
+
+
 def kernel_head_size(*arrays) -> bool:
     """What the batch attention kernels take: one head size over all these arrays,
     one of `KERNEL_HEAD_SIZES`.
