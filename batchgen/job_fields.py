@@ -144,8 +144,11 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
 
 def _schema_text(key, schema) -> str:
+    """The schema as JSON text, its keys in the order given: the grammar writes an
+    object's properties in the order the schema lists them (as OpenAI's structured
+    outputs do), and that order is the user's (a "reasoning" before an "answer")."""
     _check(isinstance(schema, (dict, bool)), key, "a JSON schema (an object)", schema)
-    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+    return orjson.dumps(schema).decode()
 
 
 def _response_format(key, v):

@@ -120,6 +120,24 @@ def test_json_object_mode_admits_objects_only(demo):
     assert r.ok and r.text.startswith("{")
 
 
+def test_output_keys_follow_the_schema_s_order_not_the_alphabet(demo):
+    """A job line's schema keeps its keys' order from the file to the grammar,
+    so an object's properties come out in the order the schema lists them
+    (a "reasoning" before its "answer"), alone and batched."""
+    from batchgen.jobs import Defaults, Header, parse_job
+
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 16},
+                                               "answer": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "basis": {"enum": ["lookup", "sum"]}},
+              "required": ["reasoning", "answer", "basis"], "additionalProperties": False}  # fmt: skip
+    line = json.dumps({"id": "ordered", "prompt": "Answer with JSON.", "max_tokens": 60, "json_schema": schema})
+    parsed = parse_job(line.encode(), 1, NATIVE, Defaults(Header(), max_tokens=60, seed=None))
+    for batch_size in (1, 2):
+        r = {r.id: r for r in demo(batch_size).run_all([parsed, job(FREE[0], "free", max_tokens=8)])}["ordered"]
+        assert r.ok and r.finish_reason == "stop", r.text
+        assert list(json.loads(r.text)) == ["reasoning", "answer", "basis"], r.text
+
+
 def test_jobs_with_one_schema_get_independent_matchers_built_once(demo, monkeypatch):
     """The second job's matcher is a copy of a kept one: built once (each
     build walks the whole vocabulary), and untouched by what the first job's
