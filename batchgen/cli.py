@@ -41,7 +41,7 @@ from .config import (  # noqa: E402
     SHAPES,
     RunConfig,
 )
-from .jobs import JobFileError, scan_jobs  # noqa: E402
+from .jobs import BadJob, JobFileError, scan_jobs  # noqa: E402
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -277,18 +277,37 @@ def validate(jobs, max_tokens):
     from .runner import spool_stdin
 
     path = spool_stdin() if jobs == "-" else Path(jobs)
-    bad = []
+    bad = []  # (line, id, kind, message)
+    schemas: dict = {}  # schema text -> the run's error for it, or None
+
+    def check(item):
+        """A job's line error, or its schema's as a run would write it (the grammar
+        engine checks a schema without a model; once per distinct schema)."""
+        if isinstance(item, BadJob):
+            bad.append((item.line, item.id, item.kind, item.message))
+        elif item.json_schema is not None:
+            if item.json_schema not in schemas:
+                from .decode.grammar import check_schema
+                from .decode.text import JobRunError
+
+                try:
+                    schemas[item.json_schema] = check_schema(item.json_schema)
+                except JobRunError as e:
+                    schemas[item.json_schema] = e
+            if (e := schemas[item.json_schema]) is not None:
+                bad.append((item.line, item.id, e.kind, str(e)))
+
     try:
-        scan, _ = scan_jobs(path, max_tokens, None, on_bad=bad.append)
+        scan, _ = scan_jobs(path, max_tokens, None, on_item=check)
     except JobFileError as e:
         _fail(str(e))
     finally:
         if jobs == "-":
             path.unlink(missing_ok=True)
-    for b in bad:
-        click.echo(f"line {b.line}: job {b.id!r}: {b.kind}: {b.message}")
+    for line, job_id, kind, message in bad:
+        click.echo(f"line {line}: job {job_id!r}: {kind}: {message}")
     fmt = "openai batch" if scan.format != "native" else "native"
-    click.echo(f"{scan.jobs} jobs ({fmt}), {scan.jobs - scan.bad} valid, {scan.bad} invalid", err=True)
+    click.echo(f"{scan.jobs} jobs ({fmt}), {scan.jobs - len(bad)} valid, {len(bad)} invalid", err=True)
     sys.exit(1 if bad else 0)
 
 

@@ -268,6 +268,33 @@ def test_validate_lists_bad_jobs(tmp_path):
     assert invoke("validate", str(tmp_path / "missing.jsonl")).exit_code == 2
 
 
+def test_validate_checks_json_schemas_as_a_run_would(tmp_path, monkeypatch):
+    """A schema the grammar engine refuses is that job's line, once per job and in
+    one line, checked without a model; without the engine every schema job is."""
+    pytest.importorskip("llguidance")
+    unique = {"type": "array", "uniqueItems": True}
+    lines = [{"id": "ok", "prompt": "x", "json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+             {"id": "u1", "prompt": "x", "json_schema": unique},
+             {"id": "free", "prompt": "x"},
+             {"id": "re", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+                 "name": "r", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "["}}}}}},
+             {"id": "u2", "prompt": "x", "json_schema": unique},
+             "{oops"]  # fmt: skip
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    r = invoke("validate", str(jobs))
+    assert r.exit_code == 1
+    out = r.stdout.splitlines()
+    assert out[0] == """line 2: job 'u1': invalid_schema: the JSON schema cannot be used: Unimplemented keys: ["uniqueItems"]"""
+    assert out[1].startswith("line 4: job 're': invalid_schema: the JSON schema cannot be used: regex parse error: [ ^ ")
+    assert out[2] == out[0].replace("line 2: job 'u1'", "line 5: job 'u2'")
+    assert out[3].startswith("line 6: job '6': invalid_json: ") and len(out) == 4
+    assert "6 jobs (native), 2 valid, 4 invalid" in r.stderr
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)
+    r = invoke("validate", str(jobs))
+    assert [l.split(": ")[:3] for l in r.stdout.splitlines()[:2]] == [
+        ["line 1", "job 'ok'", "grammar_unavailable"], ["line 2", "job 'u1'", "grammar_unavailable"]]
+
+
 def test_draft_auto_resolves_to_pld(tmp_path, model):
     jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(1))
     summary = tmp_path / "s.json"

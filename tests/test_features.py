@@ -162,12 +162,15 @@ def test_jobs_with_one_schema_get_independent_matchers_built_once(demo, monkeypa
     assert len(built) == 1
 
 
-def test_a_schema_that_cannot_compile_is_an_error_line_before_any_generation(demo, monkeypatch):
+@pytest.mark.parametrize("schema, why", [({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                                         ({"type": "string", "pattern": "["}, "regex parse error: [ ^ error:")])
+def test_a_schema_that_cannot_compile_is_an_error_line_before_any_generation(demo, monkeypatch, schema, why):
+    """The job's error names why, on one line (llguidance's regex errors span several)."""
     e = demo(1)
     calls = []
     monkeypatch.setattr(e, "start_prompt", lambda *a: calls.append(a))
-    r = e.run(job("x", json_schema=json.dumps({"type": "array", "uniqueItems": True})))
-    assert r.error.type == "invalid_schema" and "uniqueItems" in r.error.message and not calls
+    r = e.run(job("x", json_schema=json.dumps(schema)))
+    assert r.error.type == "invalid_schema" and why in r.error.message and "\n" not in r.error.message and not calls
 
 
 def test_without_a_grammar_engine_schema_jobs_fail_alone(demo, monkeypatch):

@@ -40,6 +40,38 @@ INSTALL_HINT = "pip install 'batchgen[grammar]' (llguidance)"
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise JobRunError("grammar_unavailable", f"response_format needs a grammar engine: {INSTALL_HINT}") from None
+    return llguidance
+
+
+def invalid_schema(why) -> JobRunError:
+    """The job's error for a schema the engine refuses, on one line (llguidance's
+    messages may span several: a regex's caret under its pattern)."""
+    return JobRunError("invalid_schema", "the JSON schema cannot be used: " + " ".join(str(why).split()))
+
+
+def _grammar(lib, schema: str):
+    try:
+        return lib.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    except ValueError as e:
+        raise invalid_schema(e) from None
+
+
+def check_schema(schema: str) -> None:
+    """Raise the `JobRunError` a run would write for a job with `schema` (JSON
+    text) if the grammar engine is missing or refuses the schema, checked
+    without a tokenizer or model (`batchgen validate`). What only a vocabulary
+    could show is left to the run (`Grammars.matcher`)."""
+    lib = _llguidance()
+    error = lib.LLMatcher.validate_grammar(_grammar(lib, schema))
+    if error:
+        raise invalid_schema(error)
+
+
 class Grammars:
     """Compiles jobs' JSON schemas for one tokenizer and model vocabulary (the
     logits' width, which may exceed the tokenizer's: ids past it are never
@@ -47,11 +79,7 @@ class Grammars:
     a 150k vocabulary)."""
 
     def __init__(self, tokenizer, vocab: int):
-        try:
-            import llguidance
-        except ImportError:
-            raise JobRunError("grammar_unavailable", f"response_format needs a grammar engine: {INSTALL_HINT}") from None
-        self.lib = llguidance
+        self.lib = llguidance = _llguidance()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise JobRunError("grammar_unavailable", "response_format needs a fast (tokenizers) tokenizer")
@@ -74,13 +102,9 @@ class Grammars:
         later jobs with the same schema copy that one untouched (`deep_copy`)."""
         kept = self._kept.get(schema)
         if kept is None:
-            try:
-                grammar = self.lib.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-            except ValueError as e:
-                raise JobRunError("invalid_schema", f"the JSON schema cannot be used: {e}") from None
-            kept = self.lib.LLMatcher(self.tokenizer, grammar, log_level=0)
+            kept = self.lib.LLMatcher(self.tokenizer, _grammar(self.lib, schema), log_level=0)
             if kept.is_error():
-                raise JobRunError("invalid_schema", f"the JSON schema cannot be used: {kept.get_error()}")
+                raise invalid_schema(kept.get_error())
             self._kept[schema] = kept
         return kept.deep_copy()
 
