@@ -147,8 +147,8 @@ def _schema_text(key, schema) -> str:
     """The schema as JSON text, its keys in the order given: the grammar writes an
     object's properties in the order the schema lists them (as OpenAI's structured
     outputs do), and that order is the user's (a "reasoning" before an "answer")."""
-    _check(isinstance(schema, (dict, bool)), key, "a JSON schema (an object)", schema)
-    return orjson.dumps(schema).decode()
+    _check(isinstance(schema, dict) or schema is True, key, "a JSON schema (an object)", schema)
+    return orjson.dumps({} if schema is True else schema).decode()  # `true` admits any JSON, as `{}` does
 
 
 def _response_format(key, v):

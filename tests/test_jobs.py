@@ -192,6 +192,7 @@ def test_native_generation_features():
     assert (lc.presence_penalty, lc.frequency_penalty, lc.repetition_penalty, lc.repetition_context_size) == (0.5, -1.0, 1.2, 8)
     assert lc.logit_bias == ((3, 2.5), (12, -100.0)) and lc.active
     assert job.json_schema == '{"type":"object","b":1,"a":2}'  # the keys' order kept: it orders the output's
+    assert parse('{"prompt": "x", "json_schema": true}').json_schema == "{}"  # any JSON, in the form the grammar takes
     assert job.needs_logits and not parse('{"prompt": "x"}').needs_logits
 
 
@@ -243,6 +244,7 @@ def test_openai_bodies_take_samples_logprobs_and_penalties():
         ('{"prompt": "a", "response_format": {"type": "json_object", "schema": {}}}', "unknown_key", "response_format.schema"),
         ('{"prompt": "a", "json_schema": {"type": "object"}, "response_format": {"type": "json_object"}}', "invalid_job", "one of"),
         ('{"prompt": "a", "json_schema": "object"}', "invalid_value", "a JSON schema"),
+        ('{"prompt": "a", "json_schema": false}', "invalid_value", "a JSON schema (an object), got False"),
     ],
 )
 def test_bad_feature_values(line, kind, words):
