@@ -291,7 +291,8 @@ def validate(jobs, max_tokens):
                 from .decode.text import JobRunError
 
                 try:
-                    schemas[item.json_schema] = check_schema(item.json_schema)
+                    check_schema(item.json_schema)
+                    schemas[item.json_schema] = None
                 except JobRunError as e:
                     schemas[item.json_schema] = e
             if (e := schemas[item.json_schema]) is not None:

@@ -406,7 +406,7 @@ def _system_of(job: Job) -> str | None:
     return None
 
 
-def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None, on_item=None) -> tuple[ScanReport, Defaults]:
+def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_item=None) -> tuple[ScanReport, Defaults]:
     """Check the whole file; raise `JobFileError` if it cannot be run.
 
     Holds only ids and a digest per distinct system prompt, so memory stays
@@ -433,8 +433,6 @@ def scan_jobs(path: Path, max_tokens: int, seed: int | None, on_bad=None, on_ite
         seen[item.id] = item.line
         if isinstance(item, BadJob):
             report.bad += 1
-            if on_bad is not None:
-                on_bad(item)
             continue
         report.extra_samples += item.n - 1
         system = _system_of(item)

@@ -2,6 +2,7 @@
 click's CliRunner, on a tiny real model."""
 
 import json
+import sys
 from pathlib import Path
 
 import orjson
@@ -289,7 +290,7 @@ def test_validate_checks_json_schemas_as_a_run_would(tmp_path, monkeypatch):
     assert out[2] == out[0].replace("line 2: job 'u1'", "line 5: job 'u2'")
     assert out[3].startswith("line 6: job '6': invalid_json: ") and len(out) == 4
     assert "6 jobs (native), 2 valid, 4 invalid" in r.stderr
-    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)
+    monkeypatch.setitem(sys.modules, "llguidance", None)
     r = invoke("validate", str(jobs))
     assert [l.split(": ")[:3] for l in r.stdout.splitlines()[:2]] == [
         ["line 1", "job 'ok'", "grammar_unavailable"], ["line 2", "job 'u1'", "grammar_unavailable"]]

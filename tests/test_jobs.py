@@ -133,12 +133,12 @@ def test_scan_counts_and_most_common_system(tmp_path):
         '{"messages": [{"role": "system", "content": "B"}, {"role": "user", "content": "3"}]}',
         "garbage",
     )
-    bad = []
-    scan, _ = scan_jobs(path, 16, None, on_bad=bad.append)
+    items = []
+    scan, _ = scan_jobs(path, 16, None, on_item=items.append)
     assert (scan.jobs, scan.bad, scan.format) == (4, 1, NATIVE)
     assert (scan.common_system, scan.common_system_jobs) == ("A", 2)
     assert scan.ids == {"1", "3", "4", "5"}
-    assert [b.line for b in bad] == [5]
+    assert [b.line for b in items if isinstance(b, BadJob)] == [5]
 
 
 def test_scan_header_and_format(tmp_path):
