@@ -170,6 +170,55 @@ def _response_format(key, v):
     raise InvalidJob("invalid_value", f"'{key}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
+def text_parts(v, key: str) -> str:
+    """Text given as a string or as OpenAI's text parts ([{"type": "text", "text": ...}, ...],
+    joined); a part of another type is `unsupported`, naming it."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        for j, p in enumerate(v):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise InvalidJob("unsupported", f"{key}[{j}] has type {kind!r}; batchgen takes text parts only")
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+            return "".join(p["text"] for p in v)
+    raise InvalidJob("invalid_value", f"{key} must be a string or a list of text parts")
+
+
+def _prediction(key, v) -> str:
+    """OpenAI's predicted output, `{"type": "content", "content": text or text parts}`
+    (native jobs may give the text alone) -> its text: what prompt lookup also drafts
+    from. The output is the one without it; only the verify passes it saves differ."""
+    if isinstance(v, str):
+        return v
+    _check(isinstance(v, dict) and v.get("type") == "content", key, "an object with 'type': 'content'", v)
+    reject_unknown(v, {"type", "content"}, f"{key}.")
+    _check("content" in v, key, "an object with a 'content'", v)
+    return text_parts(v["content"], f"{key}.content")
+
+
+def _service_only(kinds: tuple, want: str):
+    """A key that tells OpenAI's service how to handle the request (storage, tier, its
+    own prompt cache), not what to generate: checked for its type, then ignored."""
+
+    def check(key, v):
+        _check(v is None or isinstance(v, kinds), key, want, v)
+        return v
+
+    return check
+
+
+# Keys of OpenAI bodies that change nothing batchgen generates: accepted, ignored.
+SERVICE_ONLY = {
+    "store": _service_only((bool,), "true, false or null"),
+    "service_tier": _service_only((str,), "a string or null"),
+    "prompt_cache_key": _service_only((str,), "a string or null"),
+    "safety_identifier": _service_only((str,), "a string or null"),
+    # meaningful only with tools, which are refused by name
+    "parallel_tool_calls": _service_only((bool,), "true, false or null"),
+}
+
+
 # key -> checker; the same names and meanings in native jobs, header defaults
 # and OpenAI bodies (where they exist there).
 FIELD_CHECKS = {
@@ -196,21 +245,34 @@ FIELD_CHECKS = {
     "logit_bias": _logit_bias,
     "response_format": _response_format,
     "json_schema": _schema_text,  # native shorthand for a json_schema response_format
+    "prediction": _prediction,
 }
 NATIVE_KEYS = {"id", "messages", "prompt", *FIELD_CHECKS}
-DEFAULT_KEYS = set(FIELD_CHECKS) - {"metadata"}
+DEFAULT_KEYS = set(FIELD_CHECKS) - {"metadata", "prediction"}
 _OPENAI_SHARED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "user",
     "metadata", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
 }  # fmt: skip
-CHAT_BODY_KEYS = _OPENAI_SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
-COMPLETION_BODY_KEYS = _OPENAI_SHARED | {"prompt"}
+CHAT_BODY_KEYS = _OPENAI_SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+                                   "prediction", "stream", "stream_options", *SERVICE_ONLY}  # fmt: skip
+COMPLETION_BODY_KEYS = _OPENAI_SHARED | {"prompt", "stream", "stream_options"}
 # Keys OpenAI's bodies allow that batchgen does not do: named as such, not as typos.
 OPENAI_UNSUPPORTED = {
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio", "modalities",
-    "prediction", "web_search_options", "reasoning_effort", "verbosity", "stream", "stream_options",
-    "store", "service_tier", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix",
+    "tools", "tool_choice", "functions", "function_call", "audio", "modalities", "web_search_options",
+    "reasoning_effort", "verbosity", "echo", "best_of", "suffix",
 }  # fmt: skip
+
+
+def service_keys(body: dict, key_prefix: str = "body.") -> None:
+    """Check the keys an offline run ignores: `SERVICE_ONLY`'s, and `stream` (a
+    result line is written whole: false or null only, `stream_options` with it)."""
+    for k, check in SERVICE_ONLY.items():
+        if k in body:
+            check(key_prefix + k, body[k])
+    if body.get("stream") not in (None, False):
+        raise InvalidJob("unsupported", f"'{key_prefix}stream' must be false or null: batchgen writes whole result lines")
+    if body.get("stream_options") is not None:
+        raise InvalidJob("unsupported", f"'{key_prefix}stream_options' needs streaming, which batchgen does not do")
 
 
 def reject_unknown(obj: dict, allowed: set, where: str = "") -> None:

@@ -32,6 +32,8 @@ from .job_fields import (
     InvalidJob,
     is_int,
     reject_unknown,
+    service_keys,
+    text_parts,
     top_logprobs,
 )
 
@@ -74,6 +76,7 @@ class Job:
     json_schema: str | None = None  # the JSON schema (text) the output is constrained to
     logits: LogitsConfig = field(default_factory=LogitsConfig)
     sample: int = 0  # which of the job's n samples this is, once a job is split into them
+    prediction: str | None = None  # the expected output's text: prompt lookup drafts from it too
 
     @property
     def needs_logits(self) -> bool:
@@ -93,27 +96,6 @@ class BadJob:
     metadata: Any = None
 
 
-def _content_text(content, index: int) -> str:
-    """A message's content: a string, or OpenAI-style text parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        for j, p in enumerate(content):
-            kind = p.get("type") if isinstance(p, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise InvalidJob("unsupported", f"messages[{index}].content[{j}] has type {kind!r}; "
-                                 "batchgen takes text parts only")  # fmt: skip
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise InvalidJob(
-        "invalid_value",
-        f"messages[{index}].content must be a string or a list of text parts",
-    )
-
-
 def _messages(v) -> tuple:
     if not isinstance(v, list) or not v:
         raise InvalidJob("invalid_job", "'messages' must be a non-empty list")
@@ -130,7 +112,7 @@ def _messages(v) -> tuple:
             )
         if "content" not in m:
             raise InvalidJob("invalid_job", f"messages[{i}] has no 'content'")
-        out.append({"role": role, "content": _content_text(m["content"], i)})
+        out.append({"role": role, "content": text_parts(m["content"], f"messages[{i}].content")})
     return tuple(out)
 
 
@@ -197,6 +179,7 @@ def _job(job_id, line, fmt, messages, prompt, s: dict, defaults: "Defaults", mod
         top_logprobs=s.get("top_logprobs", 0),
         json_schema=s.get("response_format", s.get("json_schema")),
         logits=logits,
+        prediction=s.get("prediction"),
     )
 
 
@@ -253,6 +236,7 @@ def _openai_job(obj: dict, line: int, d: Defaults) -> Job:
     if unsupported:
         raise InvalidJob("unsupported", f"'body.{unsupported[0]}' is not supported by batchgen")
     reject_unknown(body, CHAT_BODY_KEYS if fmt == CHAT else COMPLETION_BODY_KEYS, "body.")
+    service_keys(body)
     body = dict(body)
     if "max_completion_tokens" in body:
         body["max_tokens"] = body.pop("max_completion_tokens")

@@ -321,6 +321,8 @@ def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path
         {"custom_id": "legacy", "method": "POST", "url": "/v1/completions",
          "body": {"model": "demo", "prompt": "def add(a, b):", "max_tokens": 6, "logprobs": 2, "n": 2}},
         chat({"id": "tools", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        chat({"id": "predicted", "prediction": {"type": "content", "content": "Red, small."}, "store": False,
+              "service_tier": "auto", "stream": False}),
     ]  # fmt: skip
     jobs = write_jobs(tmp_path / "batch.jsonl", lines)
     out = tmp_path / "out.jsonl"
@@ -345,6 +347,8 @@ def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path
         assert "".join(lp.tokens) == c.text and len(lp.token_logprobs) == 6 and all(len(t) == 2 for t in lp.top_logprobs)
         assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
     assert got["tools"]["error"] == {"code": "unsupported", "message": "'body.tools' is not supported by batchgen", "line": 4}
+    predicted = ChatCompletion.model_validate(got["predicted"]["response"]["body"])
+    assert predicted.usage.completion_tokens > 0 and got["predicted"]["error"] is None
     before = out.read_bytes()
     r = invoke(*args)
     assert r.exit_code == 1 and out.read_bytes() == before

@@ -271,3 +271,48 @@ def test_scan_counts_the_rows_samples_take(tmp_path):
     path = write(tmp_path, '{"prompt": "a", "n": 4}', '{"prompt": "b"}', '{"prompt": "c", "n": 0}')
     report, _ = scan_jobs(path, 16, None)
     assert (report.jobs, report.bad, report.extra_samples) == (3, 1, 3)
+
+
+def chat_line(body: str) -> str:
+    return '{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": ' + body + "}"
+
+
+def test_keys_for_openai_s_service_alone_are_taken_and_change_nothing():
+    q = '"messages": [{"role": "user", "content": "q"}], "max_tokens": 9'
+    plain = parse(chat_line("{" + q + "}"), fmt=CHAT)
+    served = parse(chat_line("{" + q + ', "store": false, "service_tier": "flex", "prompt_cache_key": "k1", '
+                             '"safety_identifier": "u-1", "parallel_tool_calls": true, "stream": false, '
+                             '"stream_options": null}'), fmt=CHAT)  # fmt: skip
+    assert isinstance(served, Job) and served == plain
+    legacy = parse('{"custom_id": "l", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p", "stream": null}}', fmt=CHAT)
+    assert isinstance(legacy, Job)
+
+
+@pytest.mark.parametrize(
+    "extra, kind, message",
+    [
+        ('"stream": true', "unsupported", "'body.stream' must be false or null: batchgen writes whole result lines"),
+        ('"stream_options": {"include_usage": true}', "unsupported", "'body.stream_options' needs streaming, which batchgen does not do"),
+        ('"store": "yes"', "invalid_value", "'body.store' must be true, false or null, got 'yes'"),
+        ('"service_tier": 3', "invalid_value", "'body.service_tier' must be a string or null, got 3"),
+        ('"prediction": {"type": "text", "content": "x"}', "invalid_value", "'prediction' must be an object with 'type': 'content'"),
+        ('"prediction": {"type": "content", "content": [{"type": "image_url"}]}', "unsupported",
+         "prediction.content[0] has type 'image_url'; batchgen takes text parts only"),
+        ('"prediction": {"type": "content", "content": "x", "extra": 1}', "unknown_key", "unknown key 'prediction.extra'"),
+    ],
+)
+def test_service_keys_and_predictions_with_bad_values_are_named(extra, kind, message):
+    bad = parse(chat_line('{"messages": [{"role": "user", "content": "q"}], ' + extra + "}"), fmt=CHAT)
+    assert isinstance(bad, BadJob) and (bad.kind, bad.message[: len(message)]) == (kind, message), bad
+
+
+def test_a_prediction_is_the_text_of_the_expected_output():
+    as_text = parse(chat_line('{"messages": [{"role": "user", "content": "q"}], "prediction": {"type": "content", "content": "def f(): pass"}}'), fmt=CHAT)
+    as_parts = parse(chat_line('{"messages": [{"role": "user", "content": "q"}], "prediction": {"type": "content", '
+                               '"content": [{"type": "text", "text": "def f(): "}, {"type": "text", "text": "pass"}]}}'), fmt=CHAT)  # fmt: skip
+    native = parse('{"prompt": "q", "prediction": "def f(): pass"}')
+    assert as_text.prediction == as_parts.prediction == native.prediction == "def f(): pass"
+    assert parse('{"prompt": "q"}').prediction is None
+    # the completions endpoint has no predicted outputs
+    legacy = parse('{"custom_id": "l", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p", "prediction": "x"}}', fmt=CHAT)
+    assert isinstance(legacy, BadJob) and legacy.message == "unknown key 'body.prediction'"

@@ -134,7 +134,10 @@ def test_best_start_ranks_as_a_plain_scan_does():
         n = min(rng.randrange(1, 4), len(a) - 1)
         starts = [i for i in range(len(a) - n) if a[i : i + n] == a[-n:]][-64:]
         if starts:
-            assert _best_start(a, starts, n) == reference(a, starts, n), (a, n)
+            start, agreement = _best_start(a, starts, n)
+            assert start == reference(a, starts, n), (a, n)
+            assert a[start - agreement : start + n] == a[len(a) - n - agreement :]  # the agreement is real
+            assert agreement == _RANK_CONTEXT or start == agreement or a[start - agreement - 1] != a[-n - agreement - 1]
 
 
 def test_ngram_index_equals_find_draft_on_random_sequences():
@@ -157,6 +160,56 @@ def test_ngram_index_equals_find_draft_on_random_sequences():
         assert index.tokens == tokens[:cut] and index.draft(k) == find_draft(tokens[:cut], n, k)
         index.extend(tokens[cut:])
         assert index.draft(k) == find_draft(tokens, n, k)
+
+
+def test_follow_drafts_from_another_list_as_a_plain_scan_does():
+    """`NgramIndex.follow` against the rule written out over a second list (a
+    predicted output): the longest n-gram of the context's end found with a token
+    after it, the most agreeing context before it (latest on ties), the tokens
+    after it; and what it reports as matched is the real common run."""
+    import random
+
+    from batchgen.decode.drafts import _RANK_CONTEXT, NgramIndex
+
+    def reference(src, ctx, ngram, k):
+        for n in range(min(ngram, len(ctx)), 0, -1):
+            starts = [s for s in range(len(src) - n) if src[s : s + n] == ctx[-n:]][-64:]
+            if starts:
+                def agree(s):
+                    j = 0
+                    while j < _RANK_CONTEXT and s - j - 1 >= 0 and len(ctx) - n - j - 1 >= 0 and src[s - j - 1] == ctx[-n - j - 1]:
+                        j += 1
+                    return j
+
+                best = max(reversed(starts), key=agree)
+                return n + agree(best), src[best + n : best + n + k]
+        return 0, []
+
+    rng = random.Random(3)
+    for trial in range(300):
+        alphabet = rng.choice([2, 3, 6])
+        src = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 80))]
+        ctx = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 60))]
+        if rng.random() < 0.5:  # the context ends inside a copy of the list
+            cut = rng.randrange(1, len(src) + 1)
+            ctx += src[:cut]
+        ngram, k = rng.randrange(1, 4), rng.randrange(1, 6)
+        assert NgramIndex(src, ngram).follow(ctx, k) == reference(src, ctx, ngram, k), (src, ctx, ngram, k)
+
+
+def test_a_prediction_is_drafted_from_where_it_agrees_more_with_the_output():
+    from batchgen.decode.drafts import NgramIndex, predicted_draft
+
+    # the output so far: 1 2 3 4; the context (prompt + output) also holds 3 4 then 9 9
+    context = [3, 4, 9, 9, 0, 1, 2, 3, 4]
+    prediction = NgramIndex([0, 1, 2, 3, 4, 5, 6], 3)  # the prompt's last token 0, then the predicted output
+    own = NgramIndex(context, 3).match(4)
+    assert own == (2, [9, 9, 0, 1])  # only "3 4" agrees before the context's own draft
+    assert prediction.follow(context, 4) == (3 + 2, [5, 6])  # "2 3 4", and the "0 1" before it, agree
+    assert predicted_draft(own, prediction.follow(context, 4)) == [5, 6]
+    # where the output has left the prediction, the context's own draft wins ("5 1 2 3" against "1 2 3")
+    context = [5, 1, 2, 3, 8, 8, 5, 1, 2, 3]
+    assert predicted_draft(NgramIndex(context, 3).match(2), NgramIndex([6, 1, 2, 3, 4], 3).follow(context, 2)) == [8, 8]
 
 
 # -- exactness on tiny models -----------------------------------------------------
@@ -227,6 +280,55 @@ def test_pld_on_a_repeating_model_accepts_and_cuts_passes(model_dir, pipeline):
     assert fast.text == plain.text
     assert fast.stats.pld_accepted >= 30
     assert fast.stats.forward_passes <= 12 < plain.stats.forward_passes
+
+
+@pytest.mark.parametrize("static, pipeline", [(False, True), (True, True), (False, False)])
+def test_a_prediction_never_changes_the_text(model_dir, static, pipeline):
+    """A job's `prediction` (OpenAI's predicted outputs) is a second source of drafts,
+    all verified: given the output itself, text that is not the output, or another
+    prompt's output, the text is plain decoding's."""
+    from dataclasses import replace
+
+    engine = pld_engine(model_dir("qwen2"), static=static, pipeline=pipeline)
+    for text in USER_TEXTS[:2]:
+        plain = engine.run(make_job(text, max_tokens=40, draft="none"))
+        other = engine.run(make_job(text + " again", max_tokens=40, draft="none")).text
+        for prediction in (plain.text, "def f(x):\n    return x\n", other, plain.text[: len(plain.text) // 2] + "zz"):
+            fast = engine.run(replace(make_job(text, max_tokens=40, draft="pld"), prediction=prediction))
+            assert fast.ok, fast.error
+            assert (fast.text, fast.usage.completion_tokens) == (plain.text, plain.usage.completion_tokens)
+
+
+@pytest.mark.parametrize("pipeline", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_a_predicted_output_cuts_the_passes_of_edits(pipeline):
+    """The demo model (float32) on edit jobs: with each job's expected answer as its
+    prediction, more tokens come from verified drafts and fewer passes run than with
+    prompt lookup alone; with another job's answer, the text is the same as ever."""
+    from dataclasses import replace
+    import json
+    from pathlib import Path
+
+    from batchgen.config import DEMO_MODEL_DIR
+
+    root = Path(__file__).resolve().parents[1]
+    answers = {a["id"]: a["answer"] for a in map(json.loads, (root / "jobs/answers/edits.jsonl").read_text().splitlines())}
+    from test_demo_model import demo_jobs
+
+    jobs = [j for j in demo_jobs() if j.id in ("rename-021", "rename-026", "remove_comments-006")]
+    cfg = EngineConfig(model=str(DEMO_MODEL_DIR), dtype="float32",
+                       decode=DecodeConfig(draft="pld", pld_adaptive=False, pld_pipeline=pipeline),
+                       prompt_cache=PromptCacheConfig(enabled=False))  # fmt: skip
+    engine = Engine.load(cfg)
+    alone = told = 0
+    for job, wrong in zip(jobs, jobs[1:] + jobs[:1]):
+        plain = engine.run(job)
+        right = engine.run(replace(job, prediction=f"```python\n{answers[job.id]}\n```"))
+        misled = engine.run(replace(job, prediction=f"```python\n{answers[wrong.id]}\n```"))
+        assert right.text == plain.text == misled.text, job.id
+        alone += plain.stats.forward_passes
+        told += right.stats.forward_passes
+        assert right.stats.pld_accepted > plain.stats.pld_accepted, job.id
+    assert told < 0.7 * alone, (told, alone)
 
 
 class PrefixPolicy(DraftPolicy):

@@ -13,6 +13,9 @@ import mlx.core as mx
 
 # How far back a candidate's context is compared when ranking n-gram matches.
 _RANK_CONTEXT = 32
+# The prompt's last tokens put before a predicted output's (decode/pld.py): the
+# output's first tokens then match the prediction's start, ranked by that lead.
+PREDICTION_CONTEXT = _RANK_CONTEXT
 
 
 def find_draft(tokens: Sequence[int], ngram_size: int, max_lookup: int) -> list[int]:
@@ -52,27 +55,31 @@ def find_draft(tokens: Sequence[int], ngram_size: int, max_lookup: int) -> list[
         suffix = a[-n:]
         starts = [i for i in range(len(a) - n) if a[i : i + n] == suffix]
         if starts:
-            return _continuation(a, _best_start(a, starts[-_MAX_CANDIDATES:], n) + n, max_lookup)
+            return _continuation(a, _best_start(a, starts[-_MAX_CANDIDATES:], n)[0] + n, max_lookup)
     return []
 
 
 _MAX_CANDIDATES = 64  # the most recent occurrences of an n-gram that are ranked
 
 
-def _best_start(a: list[int], starts: list[int], n: int) -> int:
-    """The candidate with the longest agreeing context before it, latest on ties."""
+def _best_start(a: list[int], starts: list[int], n: int, src: list[int] | None = None) -> tuple[int, int]:
+    """(start, agreement): the candidate (a start in `src`, default `a` itself) with the
+    longest context before it agreeing with the context before `a`'s last n tokens
+    (up to `_RANK_CONTEXT` tokens: that length), latest on ties."""
+    src = a if src is None else src
     suffix_start = len(a) - n
     context = a[suffix_start - _RANK_CONTEXT : suffix_start] if suffix_start >= _RANK_CONTEXT else None
     best, best_agree = starts[-1], -1
     for s in reversed(starts):  # latest first, so ties keep the latest
-        if context is not None and s >= _RANK_CONTEXT and a[s - _RANK_CONTEXT : s] == context:
-            return s  # agrees as far back as ranking looks: no earlier one can beat it
+        if context is not None and s >= _RANK_CONTEXT and src[s - _RANK_CONTEXT : s] == context:
+            return s, _RANK_CONTEXT  # agrees as far back as ranking looks: no earlier one can beat it
         agree = 0
-        while agree < _RANK_CONTEXT and s - agree - 1 >= 0 and a[s - agree - 1] == a[suffix_start - agree - 1]:
+        while (agree < _RANK_CONTEXT and s - agree - 1 >= 0 and suffix_start - agree - 1 >= 0
+               and src[s - agree - 1] == a[suffix_start - agree - 1]):  # fmt: skip
             agree += 1
         if agree > best_agree:
             best, best_agree = s, agree
-    return best
+    return best, best_agree
 
 
 def _continuation(a: list[int], start: int, length: int) -> list[int]:
@@ -121,14 +128,60 @@ class NgramIndex:
             self.tokens.pop()
 
     def draft(self, max_lookup: int) -> list[int]:
+        return self.match(max_lookup)[1]
+
+    def match(self, max_lookup: int) -> tuple[int, list[int]]:
+        """(matched, draft): `find_draft` of this list, and how many tokens before the
+        draft agree with the context's last ones (the n-gram and the context that
+        ranked it, up to `ngram_size` + 32)."""
         a = self.tokens
         if max_lookup <= 0 or len(a) < 2:
-            return []
+            return 0, []
         for n in range(min(self.ngram_size, len(a) - 1), 0, -1):
             starts = self._starts[n].get(tuple(a[-n:]), [])[-_MAX_CANDIDATES - 1 : -1]
             if starts:  # the list's last entry is the suffix itself
-                return _continuation(a, _best_start(a, starts, n) + n, max_lookup)
-        return []
+                start, agree = _best_start(a, starts, n)
+                return n + agree, _continuation(a, start + n, max_lookup)
+        return 0, []
+
+    def follow(self, context: Sequence[int], max_lookup: int) -> tuple[int, list[int]]:
+        """(matched, draft): up to `max_lookup` tokens of this list that followed an
+        occurrence of `context`'s last n-gram, n as long as found (at most `ngram_size`),
+        ranked as `find_draft` ranks, and how many tokens before the draft agree with
+        the context's last ones (as `match`); (0, []) where none has a token after it.
+        This list is a second source to draft from (a job's predicted output), not the
+        context.
+
+        >>> NgramIndex([7, 1, 2, 3, 4, 5, 6], 2).follow([9, 2, 3], 3)  # [2, 3] matched, 1 before disagrees
+        (2, [4, 5, 6])
+        >>> NgramIndex([7, 1, 2, 3, 4, 5, 6], 2).follow([1, 2, 3], 3)  # [2, 3], and the 1 before
+        (3, [4, 5, 6])
+        >>> NgramIndex([1, 2, 3], 2).follow([8, 3], 3)  # nothing follows the 3
+        (0, [])
+        """
+        if max_lookup <= 0 or not context:
+            return 0, []
+        c = list(context[-(_RANK_CONTEXT + self.ngram_size) :])  # all that matching and ranking read
+        src = self.tokens
+        for n in range(min(self.ngram_size, len(c)), 0, -1):
+            starts = [s for s in self._starts[n].get(tuple(c[-n:]), []) if s + n < len(src)][-_MAX_CANDIDATES:]
+            if starts:
+                start, agree = _best_start(c, starts, n, src)
+                return n + agree, src[start + n : start + n + max_lookup]
+        return 0, []
+
+
+def predicted_draft(own: tuple[int, list[int]], predicted: tuple[int, list[int]]) -> list[int]:
+    """The draft to verify, from the context's lookup (`NgramIndex.match`) and the
+    predicted output's (`NgramIndex.follow`): the one that agrees with more of the
+    latest tokens, the prediction on a tie (the user's guess at this very output).
+
+    >>> predicted_draft((3, [4, 5]), (2, [6, 7])), predicted_draft((2, [4, 5]), (2, [6, 7]))
+    ([4, 5], [6, 7])
+    >>> predicted_draft((1, [4]), (0, []))
+    [4]
+    """
+    return predicted[1] if predicted[1] and predicted[0] >= own[0] else own[1]
 
 
 # ---------------------------------------------------------------------------

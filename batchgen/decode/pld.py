@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .drafts import DraftPolicy, NgramIndex, Survival
+from .drafts import PREDICTION_CONTEXT, DraftPolicy, NgramIndex, Survival, predicted_draft
 from .logprobs import token_logprobs
 from .sampling import pick, target_logits
 
@@ -87,6 +87,7 @@ class PLDDecoder:
         pipeline: bool = True,
         entries=None,
         picker=None,
+        prediction: list[int] | None = None,
     ):
         self.model, self.cache, self.sampling, self.keys = model, cache, sampling, keys
         self.max_lookup = max_lookup
@@ -106,6 +107,12 @@ class PLDDecoder:
         # prompt + generated; the last token is not in the cache yet
         self.index = NgramIndex(context, ngram_size)
         self.prompt_len = prompt_len
+        # The job's predicted output (its tokens), a second source of drafts, led by
+        # the prompt's last tokens so that the output's start lines up with its start.
+        self.prediction = None
+        if prediction:
+            lead = list(context[:prompt_len][-PREDICTION_CONTEXT:])
+            self.prediction = NgramIndex(lead + list(prediction), ngram_size)
         self.recurrent = _split_cache(cache)
         self.shadow: _Shadow | None = None
         # This job's verify record (shadows included): kept tokens by draft position.
@@ -158,7 +165,7 @@ class PLDDecoder:
         limit = min(self.max_lookup, self.remaining() - 1)
         if limit <= 0:
             return []
-        found = self.index.draft(limit)
+        found = self._lookup(limit)
         if not found:
             return []
         n = self.policy.draft_length(self.survival, len(found), self.skipped, self.pad_to)
@@ -170,6 +177,11 @@ class PLDDecoder:
         # which deciding token by token would pay again and again.
         self.plain_left = self.policy.min_plain_tokens
         return []
+
+    def _lookup(self, limit: int) -> list[int]:
+        """Up to `limit` tokens drafted from the context, or from the prediction."""
+        own = self.index.match(limit)
+        return own[1] if self.prediction is None else predicted_draft(own, self.prediction.follow(self.ctx, limit))
 
     def _record(self, length: int, accepted: int) -> None:
         """What a verify pass kept of a draft (or would have: shadows)."""
@@ -387,7 +399,7 @@ class PLDDecoder:
             return None, None
         before = len(self.index)
         self.index.extend(cur.draft)
-        guess = self.index.draft(limit + 1)
+        guess = self._lookup(limit + 1)
         self.index.truncate(before)
         n = self.policy.draft_length(self.survival, len(guess) - 1, 0, self.pad_to)
         if n < 1:
@@ -447,15 +459,16 @@ def accept_sampled(logits: mx.array, draft: list[int], sampling, keys: mx.array,
 
 
 def pld_tokens(model, cache, context, prompt_len, sampling, keys, decode, stats, *, remaining, policy, pad_to,
-               stream, entries=None, picker=None) -> Iterator[int]:  # fmt: skip
+               stream, entries=None, picker=None, prediction=None) -> Iterator[int]:  # fmt: skip
     """Tokens after `context` (the prompt and what was generated after its
     first `prompt_len` tokens; the cache holds all of it but the last token).
     `entries`: a `logprobs.Entries` to fill, where the job asks for logprobs;
-    `picker`: a `picking.SamplePicker` whose state the tokens depend on."""
+    `picker`: a `picking.SamplePicker` whose state the tokens depend on;
+    `prediction`: the tokens of the job's predicted output, drafted from too."""
     stats.draft = "pld"
     decoder = PLDDecoder(
         model, cache, list(context), prompt_len, sampling, keys, decode.pld_ngram_size,
         decode.pld_max_lookup, stats, remaining, policy, pad_to, stream,
-        pipeline=decode.pld_pipeline, entries=entries, picker=picker,
+        pipeline=decode.pld_pipeline, entries=entries, picker=picker, prediction=prediction,
     )  # fmt: skip
     return iter(decoder)

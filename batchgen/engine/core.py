@@ -611,6 +611,7 @@ class Engine:
                 remaining=lambda: text.remaining, policy=self.draft_policy,
                 pad_to=pad_to, stream=generation_stream, entries=None if picker is None else picker.entries,
                 picker=picker if picker is not None and picker.stateful else None,
+                prediction=self.tokenizer.encode(job.prediction, add_special_tokens=False) if job.prediction else None,
             )  # fmt: skip
         if picker is not None:
             return picked_tokens(self.model, cache, context[-1], picker, stats)
