@@ -393,3 +393,14 @@ def test_kernel_profile_sweep_times_every_setting_and_puts_the_warps_back():
     queue = [float(line.split("queue_ms_per_step=")[1].split()[0]) for line in lines]
     assert all(q > 0 for q in queue) and min(wall[1], wall[3]) >= 150 * 4 / 5 > max(wall[0], wall[2])
     assert (attention.WARPS, attention.WIDE_WARPS) == (16, 4)
+
+
+def test_predicted_outputs_bench_runs_both_sides_on_the_same_jobs(tmp_path):
+    predicted = bench_script("predicted_outputs")
+    out = tmp_path / "p.json"
+    (row,) = predicted.main(["--jobs", "2", "--every", "40", "--rounds", "1", "--out", str(out), "--", "--dtype", "float32"])
+    assert row["identical"] == "2 of 2"
+    lookup, told = row["lookup"], row["predicted"]
+    assert lookup["completion_tokens"] == told["completion_tokens"] > 0
+    assert told["forward_passes"] < told["completion_tokens"] and told["pld_accepted"] > 0
+    assert json.loads(out.read_text())["rounds"] == [row]
