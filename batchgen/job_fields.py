@@ -170,17 +170,18 @@ def _response_format(key, v):
     raise InvalidJob("invalid_value", f"'{key}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
-def text_parts(v, key: str) -> str:
+def text_parts(v, key: str, kinds: tuple = ("text",)) -> str:
     """Text given as a string or as OpenAI's text parts ([{"type": "text", "text": ...}, ...],
-    joined); a part of another type is `unsupported`, naming it."""
+    joined; the Responses API's are "input_text" and "output_text"); a part of another
+    type is `unsupported`, naming it."""
     if isinstance(v, str):
         return v
     if isinstance(v, list):
         for j, p in enumerate(v):
             kind = p.get("type") if isinstance(p, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if isinstance(kind, str) and kind not in kinds:
                 raise InvalidJob("unsupported", f"{key}[{j}] has type {kind!r}; batchgen takes text parts only")
-        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+        if all(isinstance(p, dict) and p.get("type") in kinds and isinstance(p.get("text"), str) for p in v):
             return "".join(p["text"] for p in v)
     raise InvalidJob("invalid_value", f"{key} must be a string or a list of text parts")
 
@@ -263,6 +264,67 @@ OPENAI_UNSUPPORTED = {
 }  # fmt: skip
 
 
+# The Responses API (/v1/responses): its request keys batchgen reads or ignores, and
+# those it refuses by name (tools, reasoning, server-side state).
+RESPONSES_BODY_KEYS = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "user",
+    "top_logprobs", "include", "truncation", "stream", "stream_options", "prompt_cache_retention", *SERVICE_ONLY,
+}  # fmt: skip
+RESPONSES_UNSUPPORTED = {
+    "tools", "tool_choice", "max_tool_calls", "reasoning", "previous_response_id", "conversation", "background",
+    "background_options", "prompt", "context_management", "image", "moderation", "access_programs",
+    "prompt_cache_options",
+}  # fmt: skip
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def responses_settings(body: dict) -> tuple[dict, str | None]:
+    """A Responses body's settings under the names `FIELD_CHECKS` checks (its
+    `max_output_tokens` is `max_tokens`; logprobs are on where `include` names
+    them or `top_logprobs` asks for alternatives), and the JSON schema text its
+    `text.format` constrains the output to (None: plain text)."""
+    out = {k: body[k] for k in ("temperature", "top_p", "metadata", "top_logprobs") if body.get(k) is not None}
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = _max_tokens("max_output_tokens", body["max_output_tokens"])
+    include = body.get("include")
+    if include is not None:
+        _check(isinstance(include, list) and all(isinstance(x, str) for x in include), "include", "a list of strings", include)
+        other = [x for x in include if x != LOGPROBS_INCLUDE]
+        if other:
+            raise InvalidJob("unsupported", f"'body.include' entry {other[0]!r} is not supported by batchgen")
+        if include:
+            out["logprobs"] = True
+    if out.get("top_logprobs"):
+        out["logprobs"] = True
+    if body.get("truncation") not in (None, "disabled"):
+        raise InvalidJob("unsupported", f"'body.truncation' {body['truncation']!r} is not supported by batchgen (only 'disabled')")
+    schema = None
+    text = body.get("text")
+    if text is not None:
+        _check(isinstance(text, dict), "text", "an object", text)
+        reject_unknown(text, {"format", "verbosity"}, "text.")
+        if text.get("verbosity") is not None:
+            raise InvalidJob("unsupported", "'body.text.verbosity' is not supported by batchgen")
+        if text.get("format") is not None:
+            schema = _text_format("text.format", text["format"])
+    return out, schema
+
+
+def _text_format(key, v) -> str | None:
+    """The Responses API's `text.format` (the chat endpoint's `response_format`, its
+    json_schema's fields one level up) -> the schema text, or None (text)."""
+    _check(isinstance(v, dict) and isinstance(v.get("type"), str), key, "an object with a 'type'", v)
+    kind = v["type"]
+    if kind in ("text", "json_object"):
+        reject_unknown(v, {"type"}, f"{key}.")
+        return None if kind == "text" else JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        reject_unknown(v, {"type", "name", "schema", "strict", "description"}, f"{key}.")
+        _check("schema" in v, key, "a json_schema format with a 'schema'", v)
+        return _schema_text(f"{key}.schema", v["schema"])
+    raise InvalidJob("invalid_value", f"'{key}.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
 def service_keys(body: dict, key_prefix: str = "body.") -> None:
     """Check the keys an offline run ignores: `SERVICE_ONLY`'s, and `stream` (a
     result line is written whole: false or null only, `stream_options` with it)."""
@@ -273,6 +335,7 @@ def service_keys(body: dict, key_prefix: str = "body.") -> None:
         raise InvalidJob("unsupported", f"'{key_prefix}stream' must be false or null: batchgen writes whole result lines")
     if body.get("stream_options") is not None:
         raise InvalidJob("unsupported", f"'{key_prefix}stream_options' needs streaming, which batchgen does not do")
+    _service_only((str,), "a string or null")(key_prefix + "prompt_cache_retention", body.get("prompt_cache_retention"))
 
 
 def reject_unknown(obj: dict, allowed: set, where: str = "") -> None:

@@ -29,16 +29,19 @@ from .job_fields import (
     FIELD_CHECKS,
     NATIVE_KEYS,
     OPENAI_UNSUPPORTED,
+    RESPONSES_BODY_KEYS,
+    RESPONSES_UNSUPPORTED,
     InvalidJob,
     is_int,
     reject_unknown,
+    responses_settings,
     service_keys,
     text_parts,
     top_logprobs,
 )
 
-NATIVE, CHAT, COMPLETION = "native", "chat", "completion"
-OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
+NATIVE, CHAT, COMPLETION, RESPONSES = "native", "chat", "completion", "responses"
+OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/responses": RESPONSES}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -227,16 +230,18 @@ def _openai_job(obj: dict, line: int, d: Defaults) -> Job:
         raise InvalidJob("invalid_value", f"'method' must be 'POST', got {obj.get('method')!r}")
     fmt = OPENAI_URLS.get(obj.get("url"))
     if fmt is None:
-        urls = " or ".join(OPENAI_URLS)
+        urls = ", ".join(OPENAI_URLS)
         raise InvalidJob("invalid_value", f"'url' must be {urls}, got {obj.get('url')!r}")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise InvalidJob("invalid_job", "'body' must be an object")
-    unsupported = sorted(set(body) & OPENAI_UNSUPPORTED)
+    unsupported = sorted(set(body) & (RESPONSES_UNSUPPORTED if fmt == RESPONSES else OPENAI_UNSUPPORTED))
     if unsupported:
         raise InvalidJob("unsupported", f"'body.{unsupported[0]}' is not supported by batchgen")
-    reject_unknown(body, CHAT_BODY_KEYS if fmt == CHAT else COMPLETION_BODY_KEYS, "body.")
+    reject_unknown(body, {CHAT: CHAT_BODY_KEYS, COMPLETION: COMPLETION_BODY_KEYS, RESPONSES: RESPONSES_BODY_KEYS}[fmt], "body.")
     service_keys(body)
+    if fmt == RESPONSES:
+        return _responses_job(custom_id, line, body, d)
     body = dict(body)
     if "max_completion_tokens" in body:
         body["max_tokens"] = body.pop("max_completion_tokens")
@@ -255,6 +260,53 @@ def _openai_job(obj: dict, line: int, d: Defaults) -> Job:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     return _job(custom_id, line, fmt, None, _prompt(prompt), settings, d, model)
+
+
+def _responses_job(custom_id: str, line: int, body: dict, d: Defaults) -> Job:
+    """A /v1/responses request: `input` (text, or message items) with `instructions`
+    as the system message before it."""
+    mapped, schema = responses_settings(body)
+    settings = _settings(mapped, d.header.defaults)
+    if schema is not None:
+        settings.pop("json_schema", None)
+        settings["response_format"] = schema
+    if "input" not in body:
+        raise InvalidJob("invalid_job", "a responses request needs 'body.input'")
+    messages = _input_items(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidJob("invalid_value", f"'instructions' must be a string, got {instructions!r}")
+        messages = ({"role": "system", "content": instructions},) + messages
+    else:
+        messages = _with_system(messages, d.header.system)
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    return _job(custom_id, line, RESPONSES, messages, None, settings, d, model)
+
+
+def _input_items(v) -> tuple:
+    """The Responses API's `input`: text (one user message), or message items, each
+    `content` text or input_text / output_text parts; other items (tool calls and
+    their outputs, references to stored items) are `unsupported`."""
+    if isinstance(v, str) and v:
+        return ({"role": "user", "content": v},)
+    if not isinstance(v, list) or not v:
+        raise InvalidJob("invalid_job", "'input' must be a non-empty string or list")
+    out = []
+    for i, item in enumerate(v):
+        if not isinstance(item, dict):
+            raise InvalidJob("invalid_job", f"input[{i}] must be an object")
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise InvalidJob("unsupported", f"input[{i}] has type {kind!r}; batchgen takes messages only")
+        reject_unknown(item, {"type", "role", "content", "id", "status"}, f"input[{i}].")
+        role = item.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise InvalidJob("invalid_job", f"input[{i}].role must be one of system, developer, user, assistant, got {role!r}")
+        if "content" not in item:
+            raise InvalidJob("invalid_job", f"input[{i}] has no 'content'")
+        out.append({"role": role, "content": text_parts(item["content"], f"input[{i}].content", ("input_text", "output_text"))})
+    return tuple(out)
 
 
 def line_format(obj) -> str:

@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 
 import orjson
 
-from .jobs import CHAT, NATIVE
+from .jobs import CHAT, NATIVE, RESPONSES
 from .stats import Result, Sample
 
 
@@ -86,7 +86,36 @@ def completion_logprobs(content: list) -> dict:
     }
 
 
+def _responses_body(r: Result, created: int) -> dict:
+    """A /v1/responses body: one assistant message of one output_text part; a text
+    cut by its token limit is an "incomplete" response, as OpenAI marks it."""
+    u, s = r.usage, _samples(r)[0]
+    cut = s.finish_reason == "length"
+    part = {"type": "output_text", "text": s.text, "annotations": [], "logprobs": s.logprobs or []}
+    message = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "incomplete" if cut else "completed",
+               "role": "assistant", "content": [part]}  # fmt: skip
+    usage = {
+        "input_tokens": u.prompt_tokens,
+        # cache_write_tokens is what OpenAI bills for writing its prompt cache; batchgen's
+        # prompt pool lives in the run's own memory, billed to no one: 0
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+    return {
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": created,
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "error": None, "model": r.model_name or "batchgen", "output": [message],
+        "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "metadata": r.metadata,
+        "usage": usage, "batchgen": {"stats": r.stats.as_dict()},
+    }  # fmt: skip
+
+
 def _openai_body(r: Result, created: int) -> dict:
+    if r.format == RESPONSES:
+        return _responses_body(r, created)
     u = r.usage
     usage = {
         "prompt_tokens": u.prompt_tokens,
@@ -157,11 +186,13 @@ def line_figures(obj: dict) -> tuple[bool, int]:
     (True, 3)
     >>> line_figures({"custom_id": "a", "response": None, "error": {"code": "x"}})
     (False, 0)
+    >>> line_figures({"custom_id": "a", "response": {"body": {"usage": {"output_tokens": 4}}}, "error": None})
+    (True, 4)
     """
     if _is_error_line(obj):
         return False, 0
-    usage = obj["response"]["body"].get("usage") if "custom_id" in obj else obj.get("usage")
-    return True, int((usage or {}).get("completion_tokens", 0))
+    usage = (obj["response"]["body"].get("usage") if "custom_id" in obj else obj.get("usage")) or {}
+    return True, int(usage.get("completion_tokens", usage.get("output_tokens", 0)))  # output_tokens: /v1/responses
 
 
 # Every line batchgen writes starts so (orjson keeps the dicts' key order, and

@@ -124,14 +124,19 @@ def _openai_row(obj: dict, n: int) -> Row | None:
     response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
     body = response.get("body") if isinstance(response.get("body"), dict) else {}
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
-    details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
     extra = body.get("batchgen") if isinstance(body.get("batchgen"), dict) else {}
     stats = extra.get("stats") if isinstance(extra.get("stats"), dict) else {}
-    choices = body.get("choices") if isinstance(body.get("choices"), list) else []
-    finish = choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
-    return Row(key, n, True, finish_reason=finish, prompt_tokens=_num(usage.get("prompt_tokens")),
-               completion_tokens=_num(usage.get("completion_tokens")), cached_tokens=_num(details.get("cached_tokens")),
-               stats=stats, metadata=body.get("metadata"))  # fmt: skip
+    if body.get("object") == "response":  # /v1/responses: its own names for the same figures
+        details = usage.get("input_tokens_details") if isinstance(usage.get("input_tokens_details"), dict) else {}
+        finish = {"completed": "stop", "incomplete": "length"}.get(body.get("status"))
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+    else:
+        details = usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+        choices = body.get("choices") if isinstance(body.get("choices"), list) else []
+        finish = choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return Row(key, n, True, finish_reason=finish, prompt_tokens=_num(prompt), completion_tokens=_num(completion),
+               cached_tokens=_num(details.get("cached_tokens")), stats=stats, metadata=body.get("metadata"))  # fmt: skip
 
 
 def _unreadable(what: str, path: Path, e: OSError) -> ReportError:

@@ -354,6 +354,47 @@ def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path
     assert r.exit_code == 1 and out.read_bytes() == before
 
 
+def test_responses_batch_file_parses_with_the_openai_response_model(tmp_path):
+    """/v1/responses lines (OpenAI's newer endpoint, which its Batch API takes) through
+    `batchgen run`: each body parses with the openai client's `Response`; schema
+    output validates; logprobs spell the text; a text cut by max_output_tokens is an
+    incomplete response; a refused key is the line's error; a rerun resumes."""
+    from openai.types.responses import Response
+
+    from test_cli import invoke, read_lines, write_jobs
+
+    schema = SCHEMAS["enums"]
+    line = lambda cid, body: {"custom_id": cid, "method": "POST", "url": "/v1/responses",  # noqa: E731
+                              "body": {"model": "demo", "input": "Pick a colour and a size.", **body}}
+    lines = [
+        line("schema", {"max_output_tokens": 60, "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+                        "text": {"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}}}),
+        line("cut", {"instructions": "Answer in Python.", "input": [{"role": "user", "content": [{"type": "input_text", "text": "def add(a, b):"}]}],
+                     "max_output_tokens": 3, "metadata": {"task": "t1"}}),
+        line("tools", {"tools": [{"type": "web_search"}]}),
+    ]  # fmt: skip
+    jobs = write_jobs(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = ("run", str(jobs), "-o", str(out), "--dtype", "float32", "--batch-size", "2", "-q")
+    r = invoke(*args)
+    assert r.exit_code == 1, r.stderr
+    got = {l["custom_id"]: l for l in read_lines(out)}
+    made = Response.model_validate(got["schema"]["response"]["body"])
+    assert made.status == "completed" and made.incomplete_details is None
+    jsonschema.validate(json.loads(made.output_text), schema)
+    (part,) = made.output[0].content
+    assert "".join(t.token for t in part.logprobs) == made.output_text
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in part.logprobs)
+    assert made.usage.output_tokens == len(part.logprobs) + 1  # ends at EOS, which has no entry
+    cut = Response.model_validate(got["cut"]["response"]["body"])
+    assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete", "max_output_tokens", 3)
+    assert cut.metadata == {"task": "t1"} and cut.usage.total_tokens == cut.usage.input_tokens + 3
+    assert got["tools"]["error"] == {"code": "unsupported", "message": "'body.tools' is not supported by batchgen", "line": 3}
+    before = out.read_bytes()
+    r = invoke(*args)
+    assert r.exit_code == 1 and out.read_bytes() == before
+
+
 def test_native_samples_line_resumes(tmp_path):
     from test_cli import invoke, read_lines, write_jobs
 

@@ -316,3 +316,61 @@ def test_a_prediction_is_the_text_of_the_expected_output():
     # the completions endpoint has no predicted outputs
     legacy = parse('{"custom_id": "l", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p", "prediction": "x"}}', fmt=CHAT)
     assert isinstance(legacy, BadJob) and legacy.message == "unknown key 'body.prediction'"
+
+
+def responses_line(body: str) -> str:
+    return '{"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": ' + body + "}"
+
+
+def test_responses_requests_read_as_chat_jobs_do():
+    from batchgen.jobs import RESPONSES
+
+    d = Defaults(Header(system="house system"), max_tokens=64, seed=None)
+    text = parse(responses_line('{"input": "q", "max_output_tokens": 9, "temperature": 0.5, "model": "m"}'), fmt=CHAT, d=d)
+    assert (text.format, text.max_tokens, text.sampling.temperature, text.model_name) == (RESPONSES, 9, 0.5, "m")
+    assert text.messages == ({"role": "system", "content": "house system"}, {"role": "user", "content": "q"})
+    items = parse(responses_line(
+        '{"instructions": "be brief", "input": [{"role": "developer", "content": "d"}, {"type": "message", "role": "user",'
+        ' "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},'
+        ' {"role": "assistant", "content": [{"type": "output_text", "text": "c", "annotations": []}]}]}'), fmt=CHAT, d=d)  # fmt: skip
+    assert items.messages == ({"role": "system", "content": "be brief"}, {"role": "developer", "content": "d"},
+                              {"role": "user", "content": "ab"}, {"role": "assistant", "content": "c"})  # fmt: skip
+    assert items.max_tokens == 64 and items.json_schema is None and not items.logprobs
+    schema = parse(responses_line('{"input": "q", "text": {"format": {"type": "json_schema", "name": "x", "strict": true,'
+                                  ' "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}},'
+                                  ' "include": ["message.output_text.logprobs"], "top_logprobs": 3}'), fmt=CHAT)  # fmt: skip
+    assert schema.json_schema == '{"type":"object","properties":{"b":{},"a":{}}}'
+    assert (schema.logprobs, schema.top_logprobs) == (True, 3)
+    assert parse(responses_line('{"input": "q", "text": {"format": {"type": "json_object"}}}'), fmt=CHAT).json_schema == '{"type":"object"}'
+    assert parse(responses_line('{"input": "q", "top_logprobs": 2}'), fmt=CHAT).logprobs  # alternatives ask for logprobs
+    served = parse(responses_line('{"input": "q", "store": false, "truncation": "disabled", "prompt_cache_retention": "24h", '
+                                  '"text": {"format": {"type": "text"}}}'), fmt=CHAT)  # fmt: skip
+    assert isinstance(served, Job) and served.json_schema is None
+
+
+@pytest.mark.parametrize(
+    "body, kind, message",
+    [
+        ('{"input": "q", "tools": [{"type": "web_search"}]}', "unsupported", "'body.tools' is not supported by batchgen"),
+        ('{"input": "q", "previous_response_id": "resp_1"}', "unsupported", "'body.previous_response_id' is not supported by batchgen"),
+        ('{"input": "q", "reasoning": {"effort": "low"}}', "unsupported", "'body.reasoning' is not supported by batchgen"),
+        ('{"input": "q", "include": ["reasoning.encrypted_content"]}', "unsupported",
+         "'body.include' entry 'reasoning.encrypted_content' is not supported by batchgen"),
+        ('{"input": "q", "truncation": "auto"}', "unsupported", "'body.truncation' 'auto' is not supported by batchgen (only 'disabled')"),
+        ('{"input": "q", "text": {"verbosity": "low"}}', "unsupported", "'body.text.verbosity' is not supported by batchgen"),
+        ('{"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}', "unsupported",
+         "input[0] has type 'function_call_output'; batchgen takes messages only"),
+        ('{"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}', "unsupported",
+         "input[0].content[0] has type 'input_image'; batchgen takes text parts only"),
+        ('{"input": [{"role": "tool", "content": "x"}]}', "invalid_job", "input[0].role must be one of system, developer, user, assistant"),
+        ('{"instructions": "x"}', "invalid_job", "a responses request needs 'body.input'"),
+        ('{"input": ""}', "invalid_job", "'input' must be a non-empty string or list"),
+        ('{"input": "q", "max_output_tokens": 0}', "invalid_value", "'max_output_tokens' must be an integer in 1.."),
+        ('{"input": "q", "text": {"format": {"type": "json_schema", "name": "x"}}}', "invalid_value",
+         "'text.format' must be a json_schema format with a 'schema'"),
+        ('{"input": "q", "messages": []}', "unknown_key", "unknown key 'body.messages'"),
+    ],
+)
+def test_responses_requests_name_what_batchgen_does_not_do(body, kind, message):
+    bad = parse(responses_line(body), fmt=CHAT)
+    assert isinstance(bad, BadJob) and (bad.kind, bad.message[: len(message)]) == (kind, message), bad

@@ -253,6 +253,24 @@ def test_openai_batch_output(tmp_path):
     assert {r[0]: int(r[1]) for r in page.rows("finish-reasons")} == dict(reasons)
 
 
+def test_responses_output(tmp_path):
+    """/v1/responses lines: the report reads their input/output token names and status."""
+    jobs = tmp_path / "responses.jsonl"
+    jobs.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+                                        "body": {"input": f"def f{i}(x):", "max_output_tokens": 2 + 4 * i}}) + "\n"
+                            for i in range(3)))  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    r = invoke("run", jobs, "-o", out, "--dtype", "float32")
+    assert r.exit_code == 0, r.stderr
+    bodies = [l["response"]["body"] for l in read_lines(out)]
+    page = make_report(tmp_path, out)
+    assert page.number("lines-ok") == 3
+    assert page.number("lines-completion") == sum(b["usage"]["output_tokens"] for b in bodies) > 0
+    assert page.number("lines-cached") == sum(b["usage"]["input_tokens_details"]["cached_tokens"] for b in bodies)
+    reasons = collections.Counter({"completed": "stop", "incomplete": "length"}[b["status"]] for b in bodies)
+    assert {r[0]: int(r[1]) for r in page.rows("finish-reasons")} == dict(reasons)
+
+
 def one_line_error(r, *needles):
     assert r.exit_code == 2, r.output
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("batchgen: error: "), r.stderr
