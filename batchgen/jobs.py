@@ -43,6 +43,7 @@ from .job_fields import (
 NATIVE, CHAT, COMPLETION, RESPONSES = "native", "chat", "completion", "responses"
 OPENAI_URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/responses": RESPONSES}
 ROLES = ("system", "developer", "user", "assistant", "tool")
+INPUT_ROLES = ("system", "developer", "user", "assistant")  # a /v1/responses input message's
 
 
 class JobFileError(Exception):
@@ -102,21 +103,21 @@ class BadJob:
 def _messages(v) -> tuple:
     if not isinstance(v, list) or not v:
         raise InvalidJob("invalid_job", "'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(v):
-        if not isinstance(m, dict):
-            raise InvalidJob("invalid_job", f"messages[{i}] must be an object")
-        reject_unknown(m, {"role", "content", "name"}, f"messages[{i}].")
-        role = m.get("role")
-        if role not in ROLES:
-            raise InvalidJob(
-                "invalid_job",
-                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}",
-            )
-        if "content" not in m:
-            raise InvalidJob("invalid_job", f"messages[{i}] has no 'content'")
-        out.append({"role": role, "content": text_parts(m["content"], f"messages[{i}].content")})
-    return tuple(out)
+    return tuple(_message(m, f"messages[{i}]", {"role", "content", "name"}, ROLES) for i, m in enumerate(v))
+
+
+def _message(m, key: str, keys: set, roles: tuple, kinds: tuple = ("text",)) -> dict:
+    """One chat message object -> {"role", "content" (text)}; `keys` it may hold,
+    `roles` it may take, `kinds` of text parts its content may hold."""
+    if not isinstance(m, dict):
+        raise InvalidJob("invalid_job", f"{key} must be an object")
+    reject_unknown(m, keys, f"{key}.")
+    role = m.get("role")
+    if role not in roles:
+        raise InvalidJob("invalid_job", f"{key}.role must be one of {', '.join(roles)}, got {role!r}")
+    if "content" not in m:
+        raise InvalidJob("invalid_job", f"{key} has no 'content'")
+    return {"role": role, "content": text_parts(m["content"], f"{key}.content", kinds)}
 
 
 def _prompt(v) -> str:
@@ -294,18 +295,11 @@ def _input_items(v) -> tuple:
         raise InvalidJob("invalid_job", "'input' must be a non-empty string or list")
     out = []
     for i, item in enumerate(v):
-        if not isinstance(item, dict):
-            raise InvalidJob("invalid_job", f"input[{i}] must be an object")
-        kind = item.get("type", "message")
+        kind = item.get("type", "message") if isinstance(item, dict) else "message"
         if kind != "message":
             raise InvalidJob("unsupported", f"input[{i}] has type {kind!r}; batchgen takes messages only")
-        reject_unknown(item, {"type", "role", "content", "id", "status"}, f"input[{i}].")
-        role = item.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise InvalidJob("invalid_job", f"input[{i}].role must be one of system, developer, user, assistant, got {role!r}")
-        if "content" not in item:
-            raise InvalidJob("invalid_job", f"input[{i}] has no 'content'")
-        out.append({"role": role, "content": text_parts(item["content"], f"input[{i}].content", ("input_text", "output_text"))})
+        out.append(_message(item, f"input[{i}]", {"type", "role", "content", "id", "status"}, INPUT_ROLES,
+                            ("input_text", "output_text")))  # fmt: skip
     return tuple(out)
 
 
