@@ -373,3 +373,14 @@ def test_warm_up_runs_each_path_and_says_so_in_one_line(model):
     assert "rows" not in r.stderr
     r = invoke("warm-up", "--model", str(Path(model) / "missing"))
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
+
+
+def test_a_batched_run_says_once_that_it_leaves_predictions_unused(tmp_path, model):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [{"id": f"p{i}", "prompt": "def f(x):", "max_tokens": 4,
+                                                 "prediction": "    return x"} for i in range(3)])  # fmt: skip
+    note = "predictions are drafted from where jobs run one at a time (--batch-size 1)"
+    batched = invoke("run", str(jobs), "--model", model, "-o", str(tmp_path / "b.jsonl"), "--batch-size", "2", "--no-fuse")
+    alone = invoke("run", str(jobs), "--model", model, "-o", str(tmp_path / "a.jsonl"), "--batch-size", "1", "--no-fuse")
+    assert batched.exit_code == alone.exit_code == 0, batched.stderr + alone.stderr
+    assert batched.stderr.count(note) == 1 and note not in alone.stderr
+    assert [l["text"] for l in read_lines(tmp_path / "b.jsonl")] == [l["text"] for l in read_lines(tmp_path / "a.jsonl")]

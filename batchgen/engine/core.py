@@ -423,7 +423,7 @@ class Engine:
                 log.info(f"batched decoding: up to {rows} jobs per step")
                 self.batch_report = {"rows": rows}
                 parents: dict = {}
-                results = BatchScheduler(self, rows, self.kv_budget_bytes).run(_split_samples(items, parents))
+                results = BatchScheduler(self, rows, self.kv_budget_bytes).run(_split_samples(_noting_predictions(items), parents))
                 yield from _merged_samples(results, parents)
                 return
             log.info(f"batched decoding off: {why}; jobs run one at a time")
@@ -616,6 +616,18 @@ class Engine:
         if picker is not None:
             return picked_tokens(self.model, cache, context[-1], picker, stats)
         return plain_tokens(self.model, cache, context[-1], job.sampling, keys, stats)
+
+
+def _noting_predictions(items: Iterable[Job | BadJob]) -> Iterator[Job | BadJob]:
+    """The items, with one log line at the first job that gives a prediction: batched
+    rows decode plainly, so it is not drafted from (prompt lookup is one at a time)."""
+    noted = False
+    for item in items:
+        if not noted and isinstance(item, Job) and item.prediction:
+            log.info("predictions are drafted from where jobs run one at a time (--batch-size 1); "
+                     "batched rows decode plainly and leave them unused")  # fmt: skip
+            noted = True
+        yield item
 
 
 def _split_samples(items: Iterable[Job | BadJob], parents: dict) -> Iterator[Job | BadJob]:
