@@ -271,6 +271,8 @@ def _responses_job(custom_id: str, line: int, body: dict, d: Defaults) -> Job:
     if schema is not None:
         settings.pop("json_schema", None)
         settings["response_format"] = schema
+    if settings.get("n", 1) > 1:  # only a header's defaults can set it here
+        raise InvalidJob("invalid_job", "a responses request has one output: the header's 'n' does not apply to it")
     if "input" not in body:
         raise InvalidJob("invalid_job", "a responses request needs 'body.input'")
     messages = _input_items(body["input"])

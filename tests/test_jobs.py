@@ -348,6 +348,13 @@ def test_responses_requests_read_as_chat_jobs_do():
     assert isinstance(served, Job) and served.json_schema is None
 
 
+def test_a_header_s_n_does_not_apply_to_responses_requests():
+    d = Defaults(Header(defaults={"n": 3}), max_tokens=64, seed=None)
+    bad = parse(responses_line('{"input": "q"}'), fmt=CHAT, d=d)
+    assert isinstance(bad, BadJob) and bad.message == "a responses request has one output: the header's 'n' does not apply to it"
+    assert parse(chat_line('{"messages": [{"role": "user", "content": "q"}]}'), fmt=CHAT, d=d).n == 3
+
+
 @pytest.mark.parametrize(
     "body, kind, message",
     [
