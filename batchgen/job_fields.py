@@ -264,11 +264,12 @@ OPENAI_UNSUPPORTED = {
 }  # fmt: skip
 
 
+RESPONSES_SERVICE_ONLY = {"prompt_cache_retention": _service_only((str,), "a string or null")}
 # The Responses API (/v1/responses): its request keys batchgen reads or ignores, and
 # those it refuses by name (tools, reasoning, server-side state).
 RESPONSES_BODY_KEYS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "user",
-    "top_logprobs", "include", "truncation", "stream", "stream_options", "prompt_cache_retention", *SERVICE_ONLY,
+    "top_logprobs", "include", "truncation", "stream", "stream_options", *SERVICE_ONLY, *RESPONSES_SERVICE_ONLY,
 }  # fmt: skip
 RESPONSES_UNSUPPORTED = {
     "tools", "tool_choice", "max_tool_calls", "reasoning", "previous_response_id", "conversation", "background",
@@ -328,14 +329,13 @@ def _text_format(key, v) -> str | None:
 def service_keys(body: dict, key_prefix: str = "body.") -> None:
     """Check the keys an offline run ignores: `SERVICE_ONLY`'s, and `stream` (a
     result line is written whole: false or null only, `stream_options` with it)."""
-    for k, check in SERVICE_ONLY.items():
+    for k, check in {**SERVICE_ONLY, **RESPONSES_SERVICE_ONLY}.items():  # the body's endpoint admitted it
         if k in body:
             check(key_prefix + k, body[k])
     if body.get("stream") not in (None, False):
         raise InvalidJob("unsupported", f"'{key_prefix}stream' must be false or null: batchgen writes whole result lines")
     if body.get("stream_options") is not None:
         raise InvalidJob("unsupported", f"'{key_prefix}stream_options' needs streaming, which batchgen does not do")
-    _service_only((str,), "a string or null")(key_prefix + "prompt_cache_retention", body.get("prompt_cache_retention"))
 
 
 def reject_unknown(obj: dict, allowed: set, where: str = "") -> None:
