@@ -300,6 +300,23 @@ def test_pld_verifies_drafts_through_grammar_and_penalties_and_equals_plain(demo
 # files end to end: the OpenAI client's models parse every body; resume
 
 
+def run_batch_file(tmp_path, lines, rows: int) -> dict:
+    """`batchgen run` over an OpenAI batch file of `lines` (float32, `rows` rows; one
+    line refused: exit 1), then again, which resumes and writes nothing; the result
+    lines by custom_id."""
+    from test_cli import invoke, read_lines, write_jobs
+
+    jobs = write_jobs(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = ("run", str(jobs), "-o", str(out), "--dtype", "float32", "--batch-size", str(rows), "-q")
+    r = invoke(*args)
+    assert r.exit_code == 1, r.stderr
+    before = out.read_bytes()
+    r = invoke(*args)
+    assert r.exit_code == 1 and out.read_bytes() == before
+    return {l["custom_id"]: l for l in read_lines(out)}
+
+
 def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path):
     """A batch file for dataset generation run through `batchgen run`: n
     choices, logprobs, schema output and penalties; every body parses with the
@@ -307,8 +324,6 @@ def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path
     line per custom_id, nothing written again)."""
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
-
-    from test_cli import invoke, read_lines, write_jobs
 
     schema = SCHEMAS["enums"]
     msgs = [{"role": "user", "content": "Pick a colour and a size."}]
@@ -324,12 +339,7 @@ def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path
         chat({"id": "predicted", "prediction": {"type": "content", "content": "Red, small."}, "store": False,
               "service_tier": "auto", "stream": False}),
     ]  # fmt: skip
-    jobs = write_jobs(tmp_path / "batch.jsonl", lines)
-    out = tmp_path / "out.jsonl"
-    args = ("run", str(jobs), "-o", str(out), "--dtype", "float32", "--batch-size", "4", "-q")
-    r = invoke(*args)
-    assert r.exit_code == 1, r.stderr
-    got = {l["custom_id"]: l for l in read_lines(out)}
+    got = run_batch_file(tmp_path, lines, rows=4)
     body = ChatCompletion.model_validate(got["schema-n2"]["response"]["body"])
     assert [c.index for c in body.choices] == [0, 1]
     for c in body.choices:
@@ -349,9 +359,6 @@ def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path
     assert got["tools"]["error"] == {"code": "unsupported", "message": "'body.tools' is not supported by batchgen", "line": 4}
     predicted = ChatCompletion.model_validate(got["predicted"]["response"]["body"])
     assert predicted.usage.completion_tokens > 0 and got["predicted"]["error"] is None
-    before = out.read_bytes()
-    r = invoke(*args)
-    assert r.exit_code == 1 and out.read_bytes() == before
 
 
 def test_responses_batch_file_parses_with_the_openai_response_model(tmp_path):
@@ -360,8 +367,6 @@ def test_responses_batch_file_parses_with_the_openai_response_model(tmp_path):
     output validates; logprobs spell the text; a text cut by max_output_tokens is an
     incomplete response; a refused key is the line's error; a rerun resumes."""
     from openai.types.responses import Response
-
-    from test_cli import invoke, read_lines, write_jobs
 
     schema = SCHEMAS["enums"]
     line = lambda cid, body: {"custom_id": cid, "method": "POST", "url": "/v1/responses",  # noqa: E731
@@ -373,12 +378,7 @@ def test_responses_batch_file_parses_with_the_openai_response_model(tmp_path):
                      "max_output_tokens": 3, "metadata": {"task": "t1"}}),
         line("tools", {"tools": [{"type": "web_search"}]}),
     ]  # fmt: skip
-    jobs = write_jobs(tmp_path / "batch.jsonl", lines)
-    out = tmp_path / "out.jsonl"
-    args = ("run", str(jobs), "-o", str(out), "--dtype", "float32", "--batch-size", "2", "-q")
-    r = invoke(*args)
-    assert r.exit_code == 1, r.stderr
-    got = {l["custom_id"]: l for l in read_lines(out)}
+    got = run_batch_file(tmp_path, lines, rows=2)
     made = Response.model_validate(got["schema"]["response"]["body"])
     assert made.status == "completed" and made.incomplete_details is None
     jsonschema.validate(json.loads(made.output_text), schema)
@@ -390,9 +390,6 @@ def test_responses_batch_file_parses_with_the_openai_response_model(tmp_path):
     assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == ("incomplete", "max_output_tokens", 3)
     assert cut.metadata == {"task": "t1"} and cut.usage.total_tokens == cut.usage.input_tokens + 3
     assert got["tools"]["error"] == {"code": "unsupported", "message": "'body.tools' is not supported by batchgen", "line": 3}
-    before = out.read_bytes()
-    r = invoke(*args)
-    assert r.exit_code == 1 and out.read_bytes() == before
 
 
 def test_native_samples_line_resumes(tmp_path):
