@@ -214,6 +214,7 @@ SERVICE_ONLY = {
     "store": _service_only((bool,), "true, false or null"),
     "service_tier": _service_only((str,), "a string or null"),
     "prompt_cache_key": _service_only((str,), "a string or null"),
+    "prompt_cache_retention": _service_only((str,), "a string or null"),
     "safety_identifier": _service_only((str,), "a string or null"),
     # meaningful only with tools, which are refused by name
     "parallel_tool_calls": _service_only((bool,), "true, false or null"),
@@ -264,12 +265,11 @@ OPENAI_UNSUPPORTED = {
 }  # fmt: skip
 
 
-RESPONSES_SERVICE_ONLY = {"prompt_cache_retention": _service_only((str,), "a string or null")}
 # The Responses API (/v1/responses): its request keys batchgen reads or ignores, and
 # those it refuses by name (tools, reasoning, server-side state).
 RESPONSES_BODY_KEYS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "user",
-    "top_logprobs", "include", "truncation", "stream", "stream_options", *SERVICE_ONLY, *RESPONSES_SERVICE_ONLY,
+    "top_logprobs", "include", "truncation", "stream", "stream_options", *SERVICE_ONLY,
 }  # fmt: skip
 RESPONSES_UNSUPPORTED = {
     "tools", "tool_choice", "max_tool_calls", "reasoning", "previous_response_id", "conversation", "background",
@@ -329,7 +329,7 @@ def _text_format(key, v) -> str | None:
 def service_keys(body: dict, key_prefix: str = "body.") -> None:
     """Check the keys an offline run ignores: `SERVICE_ONLY`'s, and `stream` (a
     result line is written whole: false or null only, `stream_options` with it)."""
-    for k, check in {**SERVICE_ONLY, **RESPONSES_SERVICE_ONLY}.items():  # the body's endpoint admitted it
+    for k, check in SERVICE_ONLY.items():
         if k in body:
             check(key_prefix + k, body[k])
     if body.get("stream") not in (None, False):

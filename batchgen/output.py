@@ -49,7 +49,7 @@ def native_line(r: Result) -> dict:
             out["logprobs"] = {"content": r.logprobs}
     else:  # n > 1: one entry per sample, in sample order
         out = {"id": r.id, "samples": [_native_sample(i, s) for i, s in enumerate(r.samples)]}
-    return {**out, "usage": vars(r.usage).copy(), "stats": r.stats.as_dict(), "metadata": r.metadata, "error": None}
+    return {**out, "usage": r.usage.as_dict(), "stats": r.stats.as_dict(), "metadata": r.metadata, "error": None}
 
 
 def _native_sample(index: int, s: Sample) -> dict:
@@ -123,6 +123,12 @@ def _openai_body(r: Result, created: int) -> dict:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if r.format == CHAT:  # OpenAI's shape; the predicted-output counts add nothing to completion_tokens here
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": 0, "audio_tokens": 0,
+            "accepted_prediction_tokens": u.accepted_prediction_tokens or 0,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens or 0,
+        }  # fmt: skip
     common = {"created": created, "model": r.model_name or "batchgen", "usage": usage}
     choices = []
     for i, s in enumerate(_samples(r)):

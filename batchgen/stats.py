@@ -40,6 +40,13 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # A job that gave a predicted output: its tokens found in the output and the rest
+    # (`drafts.prediction_usage`); None (not written) for a job without one.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass

@@ -384,3 +384,8 @@ def test_a_batched_run_says_once_that_it_leaves_predictions_unused(tmp_path, mod
     assert batched.exit_code == alone.exit_code == 0, batched.stderr + alone.stderr
     assert batched.stderr.count(note) == 1 and note not in alone.stderr
     assert [l["text"] for l in read_lines(tmp_path / "b.jsonl")] == [l["text"] for l in read_lines(tmp_path / "a.jsonl")]
+    # the prediction's usage figures are about its text and the output's, batched or not
+    usage = [{k: l["usage"][k] for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+             for l in read_lines(tmp_path / "b.jsonl")]  # fmt: skip
+    assert usage == [{k: l["usage"][k] for k in usage[0]} for l in read_lines(tmp_path / "a.jsonl")]
+    assert all(sum(u.values()) > 0 for u in usage)

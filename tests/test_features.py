@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_tokenizer
 
 from batchgen.config import DEMO_MODEL_DIR, DecodeConfig, EngineConfig, LogitsConfig, PromptCacheConfig, SamplingConfig
 from batchgen.engine.core import Engine
@@ -359,6 +360,10 @@ def test_openai_batch_file_with_every_feature_parses_with_openai_models(tmp_path
     assert got["tools"]["error"] == {"code": "unsupported", "message": "'body.tools' is not supported by batchgen", "line": 4}
     predicted = ChatCompletion.model_validate(got["predicted"]["response"]["body"])
     assert predicted.usage.completion_tokens > 0 and got["predicted"]["error"] is None
+    details = predicted.usage.completion_tokens_details  # OpenAI's counts of the prediction's tokens
+    tokens = len(load_tokenizer(DEMO_MODEL_DIR).encode("Red, small.", add_special_tokens=False))
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == tokens
+    assert pen.usage.completion_tokens_details.accepted_prediction_tokens == 0  # no prediction
 
 
 def test_responses_batch_file_parses_with_the_openai_response_model(tmp_path):

@@ -280,7 +280,7 @@ def chat_line(body: str) -> str:
 def test_keys_for_openai_s_service_alone_are_taken_and_change_nothing():
     q = '"messages": [{"role": "user", "content": "q"}], "max_tokens": 9'
     plain = parse(chat_line("{" + q + "}"), fmt=CHAT)
-    served = parse(chat_line("{" + q + ', "store": false, "service_tier": "flex", "prompt_cache_key": "k1", '
+    served = parse(chat_line("{" + q + ', "store": false, "service_tier": "flex", "prompt_cache_key": "k1", "prompt_cache_retention": "24h", '
                              '"safety_identifier": "u-1", "parallel_tool_calls": true, "stream": false, '
                              '"stream_options": null}'), fmt=CHAT)  # fmt: skip
     assert isinstance(served, Job) and served == plain

@@ -212,6 +212,21 @@ def test_a_prediction_is_drafted_from_where_it_agrees_more_with_the_output():
     assert predicted_draft(NgramIndex(context, 3).match(2), NgramIndex([6, 1, 2, 3, 4], 3).follow(context, 2)) == [8, 8]
 
 
+def test_prediction_usage_counts_the_prediction_s_tokens_found_in_the_output():
+    from batchgen.decode.drafts import prediction_usage
+
+    assert prediction_usage([1, 2, 3], [1, 2, 3, 2]) == (3, 0)  # all of it, in order
+    assert prediction_usage([1, 2, 3, 4, 5, 6], [1, 2, 7, 7, 5, 6]) == (4, 2)  # 3 4 replaced
+    assert prediction_usage([1, 2, 3], [3, 2, 1]) == (1, 2)  # in order: one of them
+    assert prediction_usage([5, 5, 5, 5], [5, 5]) == (2, 2)  # each output token matched once
+    assert prediction_usage([1, 2], [3, 4]) == (0, 2)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        p, o = rng.integers(0, 4, rng.integers(0, 30)).tolist(), rng.integers(0, 4, rng.integers(0, 30)).tolist()
+        accepted, rejected = prediction_usage(p, o)
+        assert accepted + rejected == len(p) and 0 <= accepted <= min(len(p), len(o))
+
+
 # -- exactness on tiny models -----------------------------------------------------
 
 
@@ -297,6 +312,9 @@ def test_a_prediction_never_changes_the_text(model_dir, static, pipeline):
             fast = engine.run(replace(make_job(text, max_tokens=40, draft="pld"), prediction=prediction))
             assert fast.ok, fast.error
             assert (fast.text, fast.usage.completion_tokens) == (plain.text, plain.usage.completion_tokens)
+            u, predicted = fast.usage, engine.prediction_tokens(replace(make_job(text), prediction=prediction))
+            assert u.accepted_prediction_tokens + u.rejected_prediction_tokens == len(predicted) > 0, prediction
+        assert plain.usage.accepted_prediction_tokens is None  # no prediction, no figure
 
 
 @pytest.mark.parametrize("pipeline", [True, pytest.param(False, marks=pytest.mark.slow)])
@@ -328,6 +346,9 @@ def test_a_predicted_output_cuts_the_passes_of_edits(pipeline):
         alone += plain.stats.forward_passes
         told += right.stats.forward_passes
         assert right.stats.pld_accepted > plain.stats.pld_accepted, job.id
+        # the right answer is found in the output nearly whole; another job's far less
+        assert right.usage.rejected_prediction_tokens < 0.1 * right.usage.accepted_prediction_tokens, job.id
+        assert misled.usage.accepted_prediction_tokens < right.usage.accepted_prediction_tokens, job.id
     assert told < 0.7 * alone, (told, alone)
 
 

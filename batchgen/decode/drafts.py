@@ -5,6 +5,7 @@ draft is worth a verify pass on this device (decode/pld.py runs the verify loop)
 
 from __future__ import annotations
 
+import difflib
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -182,6 +183,22 @@ def predicted_draft(own: tuple[int, list[int]], predicted: tuple[int, list[int]]
     [4]
     """
     return predicted[1] if predicted[1] and predicted[0] >= own[0] else own[1]
+
+
+def prediction_usage(prediction: Sequence[int], output: Sequence[int]) -> tuple[int, int]:
+    """(accepted, rejected) tokens of a predicted output, as OpenAI's usage names
+    them: the prediction's tokens that appear in the output, in order (a diff's
+    matching blocks, as `difflib` finds them), and the rest. A figure about the
+    prediction and the text alone, so the same whether drafts came from it or not.
+
+    >>> prediction_usage([1, 2, 3, 4, 5], [1, 2, 9, 4, 5, 6])  # the 3 was edited out
+    (4, 1)
+    >>> prediction_usage([], [1, 2]), prediction_usage([7, 8], [])
+    ((0, 0), (0, 2))
+    """
+    blocks = difflib.SequenceMatcher(None, list(prediction), list(output), autojunk=False).get_matching_blocks()
+    accepted = sum(b.size for b in blocks)
+    return accepted, len(prediction) - accepted
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from ..jobs import Job
 from ..stats import JobFailure, JobStats, Result, Sample, Usage
+from .drafts import prediction_usage
 from .passes import generation_stream
 from .sampling import pick
 
@@ -95,8 +96,9 @@ def first_token(logits: mx.array, sampling, keys: mx.array | None, stats: JobSta
 
 
 def finished_result(job: Job, text: TextAssembler, stats: JobStats, prompt_tokens: int, cached: int,
-                    first_token_s: float, total_s: float) -> Result:  # fmt: skip
-    """The result line of a finished job, its timing stats filled in."""
+                    first_token_s: float, total_s: float, prediction: list[int] | None = None) -> Result:  # fmt: skip
+    """The result line of a finished job, its timing stats filled in;
+    `prediction`, the tokens of the job's predicted output, where it gave one."""
     stats.prefill_s = first_token_s
     stats.decode_s = total_s - first_token_s
     stats.prompt_tps = (prompt_tokens - cached) / first_token_s if first_token_s > 0 else 0.0
@@ -104,9 +106,12 @@ def finished_result(job: Job, text: TextAssembler, stats: JobStats, prompt_token
     stats.decode_tps = after_first / stats.decode_s if stats.decode_s > 0 and after_first > 0 else 0.0
     stats.cache_hit_ratio = cached / prompt_tokens
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    usage = Usage(prompt_tokens, text.completion_tokens, cached)
+    if prediction is not None:
+        usage.accepted_prediction_tokens, usage.rejected_prediction_tokens = prediction_usage(prediction, text.token_ids)
     return Result(
         id=job.id, line=job.line, format=job.format, text=text.text(), finish_reason=text.finish_reason,
-        usage=Usage(prompt_tokens, text.completion_tokens, cached), stats=stats,
+        usage=usage, stats=stats,
         metadata=job.metadata, model_name=job.model_name, token_ids=text.token_ids,
     )  # fmt: skip
 
@@ -125,6 +130,10 @@ def merged_result(job: Job, results: list[Result]) -> Result:
     prompt = first.usage.prompt_tokens
     cached = min(r.usage.cached_tokens for r in results)
     completion = sum(r.usage.completion_tokens for r in results)
+    usage = Usage(prompt, completion, cached)
+    for name in ("accepted_prediction_tokens", "rejected_prediction_tokens"):
+        if getattr(first.usage, name) is not None:
+            setattr(usage, name, sum(getattr(r.usage, name) for r in results))
     stats = replace(first.stats)
     stats.prefill_s = min(r.stats.prefill_s for r in results)
     stats.decode_s = max(r.stats.prefill_s + r.stats.decode_s for r in results) - stats.prefill_s
@@ -136,7 +145,7 @@ def merged_result(job: Job, results: list[Result]) -> Result:
         setattr(stats, name, sum(getattr(r.stats, name) for r in results))
     stats.peak_memory_gb = max(r.stats.peak_memory_gb for r in results)
     samples = [Sample(r.text, r.finish_reason, r.usage.completion_tokens, r.logprobs) for r in results]
-    return Result(id=job.id, line=job.line, format=job.format, usage=Usage(prompt, completion, cached), stats=stats,
+    return Result(id=job.id, line=job.line, format=job.format, usage=usage, stats=stats,
                   metadata=job.metadata, model_name=job.model_name, samples=samples)  # fmt: skip
 
 

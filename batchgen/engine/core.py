@@ -578,14 +578,15 @@ class Engine:
             first = first_token(logits, job.sampling, keys, stats)
         first_token_s = timer.elapsed_s
         text = TextAssembler(self.tokenizer, job.stop, job.max_tokens)
+        prediction = self.prediction_tokens(job)
         if not text.add(first):
-            stream = self._decoder(plan, cache, tokens + [first], job, keys, stats, text, picker)
+            stream = self._decoder(plan, cache, tokens + [first], job, keys, stats, text, picker, prediction)
             for token in stream:
                 if text.add(token):
                     break
             stream.close()
         stats.kv_bytes = cache_nbytes(cache)
-        result = finished_result(job, text, stats, len(tokens), cached, first_token_s, timer.elapsed_s)
+        result = finished_result(job, text, stats, len(tokens), cached, first_token_s, timer.elapsed_s, prediction)
         result.sample = job.sample
         if picker is not None:
             result.logprobs = picker.logprobs(set(self.tokenizer.eos_token_ids))
@@ -598,9 +599,14 @@ class Engine:
                 return hit.cache, hit.cached_tokens
         return self.make_cache(plan.kv), 0
 
-    def _decoder(self, plan: JobPlan, cache, context, job: Job, keys, stats, text, picker=None) -> Iterator[int]:
+    def prediction_tokens(self, job: Job) -> list[int] | None:
+        """The tokens of the job's predicted output (None: it gave none)."""
+        return self.tokenizer.encode(job.prediction, add_special_tokens=False) if job.prediction else None
+
+    def _decoder(self, plan: JobPlan, cache, context, job: Job, keys, stats, text, picker=None,
+                 prediction=None) -> Iterator[int]:  # fmt: skip
         """Tokens after the first: `context` is the prompt plus the first token,
-        which the cache does not hold yet."""
+        which the cache does not hold yet; `prediction`, the job's predicted output's."""
         d = plan.decode
         if d.draft == "pld" and d.pld_max_lookup > 0:
             # Static verify shapes where a pass costs the same for 2..K+1 tokens
@@ -611,7 +617,7 @@ class Engine:
                 remaining=lambda: text.remaining, policy=self.draft_policy,
                 pad_to=pad_to, stream=generation_stream, entries=None if picker is None else picker.entries,
                 picker=picker if picker is not None and picker.stateful else None,
-                prediction=self.tokenizer.encode(job.prediction, add_special_tokens=False) if job.prediction else None,
+                prediction=prediction,
             )  # fmt: skip
         if picker is not None:
             return picked_tokens(self.model, cache, context[-1], picker, stats)

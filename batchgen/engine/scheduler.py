@@ -513,8 +513,8 @@ class BatchScheduler:
 
     def _finish(self, row: Row) -> Result:
         row.stats.kv_bytes = (len(row.tokens) + row.text.completion_tokens) * self.per_token + self.per_row
-        result = finished_result(row.job, row.text, row.stats, len(row.tokens), row.cached,
-                                 row.first_token_s, row.timer.elapsed_s)  # fmt: skip
+        result = finished_result(row.job, row.text, row.stats, len(row.tokens), row.cached, row.first_token_s,
+                                 row.timer.elapsed_s, self.engine.prediction_tokens(row.job))  # fmt: skip
         result.sample = row.job.sample
         if row.picker is not None:
             result.logprobs = row.picker.logprobs(set(self.engine.tokenizer.eos_token_ids))
