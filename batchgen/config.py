@@ -15,7 +15,7 @@ DEFAULT_PLD_NGRAM_SIZE = 3
 # job at a time, a GPU pass costs about the same at any of these lengths, so the policy
 # takes whole drafts and the ceiling decides: at 32 it ran at 0.89-1.01 of the best
 # fixed setting on the models it was tuned on and 0.98-1.10 on the two it was not, at 16
-# at 0.80-0.93; on the evaluation set rebuilt with new weights (2026-12-07, H100), 0.97-1.06. On a CPU a pass costs by its tokens and the policy verifies short
+# at 0.80-0.93. On a CPU a pass costs by its tokens and the policy verifies short
 # prefixes: there 32 ran at 0.93-1.02 of 16 (mean 0.97, noise of this size), so the CPU
 # keeps 16 (bench/RESULTS.md#prompt-lookup-on-models-it-was-not-tuned-on). A GPU where a
 # long pass costs more (a large model) needs no other ceiling: the policy times it.
