@@ -221,3 +221,53 @@ def test_docstring_examples(module, examples):
 
     failures, tried = doctest.testmod(importlib.import_module(f"batchgen.{module}"))
     assert tried >= examples and failures == 0
+
+
+def test_collector_is_quieter_during_a_run_and_restored_after(model_dir):
+    """`run_all` freezes the startup heap and raises the young threshold while it
+    runs, batched or one at a time, and puts both back when it ends, when its
+    consumer stops early, and when it fails."""
+    import gc
+
+    from batchgen.engine import collector
+
+    before = gc.get_threshold()
+    seen = []
+    for rows in (1, 4):
+        engine = make_engine(model_dir("qwen2"), batch_size=rows)
+        jobs = [make_job(USER_TEXTS[i % 3], max_tokens=4, job_id=f"j{i}") for i in range(3)]
+        for _ in engine.run_all(jobs, total=len(jobs)):
+            seen.append((gc.get_threshold()[0], gc.get_freeze_count() > 0))
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+        results = engine.run_all(jobs, total=len(jobs))
+        next(results)
+        results.close()  # the consumer stopped after one line
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert seen == [(collector.YOUNG_THRESHOLD, True)] * 6
+
+    def failing():
+        yield make_job(USER_TEXTS[0], max_tokens=4)
+        raise OSError("the job file went away")
+
+    with pytest.raises(OSError):
+        list(engine.run_all(failing(), total=2))
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_collector_nests_and_leaves_a_disabled_collector_alone():
+    import gc
+
+    from batchgen.engine.collector import YOUNG_THRESHOLD, fewer_collections
+
+    before = gc.get_threshold()
+    with fewer_collections():
+        with fewer_collections():
+            assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+        assert gc.get_threshold()[0] == YOUNG_THRESHOLD and gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        with fewer_collections():
+            assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()

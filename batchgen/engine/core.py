@@ -61,6 +61,7 @@ from ..decode.text import (
     merged_result,
 )
 from ..stats import JobStats, Result, Timer
+from .collector import fewer_collections
 
 log = logging.getLogger("batchgen")
 
@@ -413,6 +414,10 @@ class Engine:
         """Results in completion order (sequential: job order). `total`, the
         number of rows the jobs coming take (a job of n samples takes n),
         caps the batch size."""
+        with fewer_collections():
+            yield from self._run_all(items, total)
+
+    def _run_all(self, items: Iterable[Job | BadJob], total: int | None) -> Iterator[Result]:
         rows = self.resolve_batch_size(total)
         self.batch_report = {"rows": 1}
         if rows > 1:
