@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--variants", default="free,json,logprobs", help="which of free, json, logprobs to run")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     jobs_path = Path(__file__).resolve().parents[1] / "jobs/freeform.jsonl"
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     schema = json.dumps(FEATURE_SCHEMA, sort_keys=True)
     variants = {"free": jobs, "json": [replace(j, json_schema=schema) for j in jobs],
                 "logprobs": [replace(j, logprobs=True, top_logprobs=5) for j in jobs]}
+    variants = {k: variants[k] for k in a.variants.split(",")}
     rows = a.rows if a.rows == "auto" else int(a.rows)
     real_read = BatchScheduler._read
 

@@ -140,11 +140,12 @@ def test_output_keys_follow_the_schema_s_order_not_the_alphabet(demo):
 
 
 def test_jobs_with_one_schema_get_independent_matchers_built_once(demo, monkeypatch):
-    """The second job's matcher is a copy of a kept one: built once (each
-    build walks the whole vocabulary), and untouched by what the first job's
-    matcher took."""
+    """A schema keeps `templates` matchers, built by its first jobs (each build
+    walks the whole vocabulary); later jobs get copies of them in turn,
+    untouched by what the earlier jobs' matchers took."""
     e = demo(1)
     e.matcher_for(job("x", json_schema=JSON_OBJECT_SCHEMA))  # the engine's grammars made
+    monkeypatch.setattr(e.grammars, "templates", 2)
     real, built = e.grammars.lib.LLMatcher, []
 
     def counting(*a, **k):
@@ -158,9 +159,14 @@ def test_jobs_with_one_schema_get_independent_matchers_built_once(demo, monkeypa
     first = e.matcher_for(job("x", json_schema=schema))
     assert first.try_consume_tokens(text[:3]) == 3
     second = e.matcher_for(job("y", json_schema=schema))
-    assert second.try_consume_tokens(text) == len(text) and second.is_accepting()
+    assert second.try_consume_tokens(text[:5]) == 5
+    assert len(built) == 2
+    later = [e.matcher_for(job(f"z{i}", json_schema=schema)) for i in range(3)]
+    assert len(built) == 2 and len(e.grammars._kept[schema]) == 2
+    for m in later:
+        assert m.try_consume_tokens(text) == len(text) and m.is_accepting()
     assert first.try_consume_tokens(text[3:]) == len(text) - 3 and first.is_accepting()
-    assert len(built) == 1
+    assert second.try_consume_tokens(text[5:]) == len(text) - 5 and second.is_accepting()
 
 
 @pytest.mark.parametrize("schema, why", [({"type": "array", "uniqueItems": True}, "uniqueItems"),

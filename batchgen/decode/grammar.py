@@ -13,12 +13,10 @@ triton and transformers). Its masks cost more per row-token than xgrammar's
 (87 against 35 us at a 100k vocabulary, 35 against 2 us at the demo's 4k, on
 a 2-core CPU, 2026-12-03): the scheduler makes them while the GPU runs the
 step they are for. `LLExecutor` would spread a batch's rows over the host's
-cores, but the jobs' matchers are copies of one kept matcher, which share its
-parser behind one lock, so their masks are made one row at a time; matchers
-built apart per thread filled 3x faster on 16 cores but did not shorten a
-whole run's JSON steps (bench/RESULTS.md "Dataset-generation features on the
-batch path"). JSON rows measured below 0.85x of free rows on the H200 bench
-(`batchgen bench --features`) would reopen the choice.
+cores, but copies of one kept matcher share its parser behind one lock, so
+their masks are made one row at a time; a schema therefore keeps one matcher
+per host core (up to `TEMPLATES`), built apart, and its jobs copy them in
+turn (bench/RESULTS.md "Dataset-generation features on the batch path").
 
 Optional: `pip install 'batchgen[grammar]'`; without it a job that asks for a
 schema gets one error line saying so, and everything else runs.
@@ -27,6 +25,7 @@ schema gets one error line saying so, and everything else runs.
 from __future__ import annotations
 
 import copy
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -38,6 +37,10 @@ INSTALL_HINT = "pip install 'batchgen[grammar]' (llguidance)"
 # its max_tokens on blanks between tokens (the demo model does, greedily); a
 # schema's own "x-guidance" options still override this.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Most matchers kept per schema: copies of one share its lock, so a batch's rows
+# mask in parallel over at most this many (bench/grammar_threads.py: 256 rows on
+# 16 cores, 4.97 ms a step from copies of one, 1.58 from copies of 16 built apart).
+TEMPLATES = 16
 
 
 def _llguidance():
@@ -92,26 +95,31 @@ class Grammars:
         self.vocab = vocab
         self.words = (vocab + 31) // 32
         self.eos = eos
-        self._kept: dict[str, object] = {}  # schema text -> a fresh matcher, copied per job
+        self.templates = max(1, min(TEMPLATES, os.cpu_count() or 1))
+        self._kept: dict[str, list] = {}  # schema text -> fresh matchers, copied per job
+        self._asked: dict[str, int] = {}  # schema text -> matchers handed out
 
     def matcher(self, schema: str):
         """A fresh matcher for `schema` (JSON text); `JobRunError` if it does not compile.
-        The first job with a schema builds its matcher (the grammar's lexer
-        over the whole vocabulary: a host item of the JSON run's profile,
-        bench/RESULTS.md "Dataset-generation features on the batch path");
-        later jobs with the same schema copy that one untouched (`deep_copy`)."""
-        kept = self._kept.get(schema)
-        if kept is None:
-            kept = self.lib.LLMatcher(self.tokenizer, _grammar(self.lib, schema), log_level=0)
-            if kept.is_error():
-                raise invalid_schema(kept.get_error())
-            self._kept[schema] = kept
-        return kept.deep_copy()
+        The first `templates` jobs with a schema each build a matcher to keep
+        (a build is a host item of the JSON run's profile, bench/RESULTS.md
+        "Dataset-generation features on the batch path"); later jobs copy
+        them in turn, untouched (`deep_copy`), so that one batch's rows hold
+        copies of different kept matchers, which mask in parallel."""
+        kept = self._kept.setdefault(schema, [])
+        n = self._asked.get(schema, 0)
+        if len(kept) < self.templates:
+            m = self.lib.LLMatcher(self.tokenizer, _grammar(self.lib, schema), log_level=0)
+            if m.is_error():
+                raise invalid_schema(m.get_error())
+            kept.append(m)
+        self._asked[schema] = n + 1
+        return kept[n % len(kept)].deep_copy()
 
     def fill(self, matchers: list, out: np.ndarray) -> None:
         """Each (matcher, row) pair's mask into row `row` of `out` (rows, words)
         int32, through the executor (copies of one kept matcher one after
-        another: they share its lock). A matcher in an error state
+        another: they share its lock; copies of different ones in parallel). A matcher in an error state
         (never, with its own masks applied) allows only EOS, so the job ends."""
         good = [(m, i) for m, i in matchers if not m.is_error()]
         if good:
