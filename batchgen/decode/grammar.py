@@ -16,7 +16,9 @@ step they are for. `LLExecutor` would spread a batch's rows over the host's
 cores, but copies of one kept matcher share its parser behind one lock, so
 their masks are made one row at a time; a schema therefore keeps one matcher
 per host core (up to `TEMPLATES`), built apart, and its jobs copy them in
-turn (bench/RESULTS.md "Dataset-generation features on the batch path").
+turn (bench/RESULTS.md "One kept grammar matcher a host core"). What would
+reopen the engine's choice: JSON steps measured well above free ones with the
+masks as the cause (an H100's 7B shape: 0.94-0.97 of a free step's length).
 
 Optional: `pip install 'batchgen[grammar]'`; without it a job that asks for a
 schema gets one error line saying so, and everything else runs.
