@@ -561,16 +561,18 @@ class Engine:
         matchers = [self.matcher_for(s) for s in samples]  # a schema that cannot compile fails here
         plan = self.plan(job)
         cache, cached, logits = self.start_prompt(tokens, plan)
+        prediction = self.prediction_tokens(job)  # the samples share it
         results = []
         for i, (sample, matcher) in enumerate(zip(samples, matchers)):
             own = cache if i == len(samples) - 1 else clone_cache(cache)
             results.append(self._sample(sample, matcher, plan, tokens, own, cached if i == 0 else len(tokens),
-                                        logits, capped_from, timer))  # fmt: skip
+                                        logits, capped_from, timer, prediction))  # fmt: skip
         return results[0] if job.n == 1 else merged_result(job, results)
 
-    def _sample(self, job: Job, matcher, plan: JobPlan, tokens: list[int], cache: list, cached: int,
-                logits: mx.array, capped_from: int | None, timer: Timer) -> Result:  # fmt: skip
-        """One sample from a cache holding its prompt and the prompt's last logits."""
+    def _sample(self, job: Job, matcher, plan: JobPlan, tokens: list[int], cache: list, cached: int, logits: mx.array,
+                capped_from: int | None, timer: Timer, prediction: list[int] | None) -> Result:  # fmt: skip
+        """One sample from a cache holding its prompt and the prompt's last logits;
+        `prediction`, the tokens of the job's predicted output (`prediction_tokens`)."""
         stats = JobStats(draft=plan.decode.draft, kv_cache=plan.kv.kind, max_tokens_capped_from=capped_from)
         n_keys = job.max_tokens + plan.decode.pld_max_lookup + 2
         keys = None if job.sampling.greedy else make_keys(job_seed(job.sampling), n_keys)
@@ -583,7 +585,6 @@ class Engine:
             first = first_token(logits, job.sampling, keys, stats)
         first_token_s = timer.elapsed_s
         text = TextAssembler(self.tokenizer, job.stop, job.max_tokens)
-        prediction = self.prediction_tokens(job)
         if not text.add(first):
             stream = self._decoder(plan, cache, tokens + [first], job, keys, stats, text, picker, prediction)
             for token in stream:
