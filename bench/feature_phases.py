@@ -5,6 +5,9 @@ its phases add up to the step.
 
     python bench/feature_phases.py --shape qwen2.5-0.5b --jobs 256 --rows auto --out r.json
 
+`--synthetic N`: each job a random prompt of N tokens (rows that attend over long
+contexts) instead of jobs/freeform.jsonl's short prompts.
+
 Phases: `queue` (the forward pass queued: its graph and dispatch), `wait`
 (reading the previous step's tokens: the device's remainder), `read+wait` (the rows
 taking their tokens, the grammar's `consume` within it), `pick` (the masks filled
@@ -61,13 +64,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--jobs", type=int, default=256)
     ap.add_argument("--rows", default="auto")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--synthetic", type=int, default=None,
+                    help="random prompts of N tokens (one a job) instead of jobs/freeform.jsonl: long rows")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--variants", default="free,json,logprobs", help="which of free, json, logprobs to run")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     jobs_path = Path(__file__).resolve().parents[1] / "jobs/freeform.jsonl"
     cfg = BenchConfig(engine=EngineConfig(model=a.shape), jobs_path=jobs_path, shape=a.shape, dtype=a.dtype,
-                      max_tokens=a.max_tokens, tokenizer_path=a.tokenizer)
+                      max_tokens=a.max_tokens, tokenizer_path=a.tokenizer, synthetic_prompt_tokens=a.synthetic,
+                      synthetic_jobs=a.jobs)
     _, tokenizer, engine, _ = load_pair(cfg, plain=False)
     jobs = repeat_jobs(bench_jobs(cfg, tokenizer)[0], a.jobs)
     schema = json.dumps(FEATURE_SCHEMA, sort_keys=True)
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
                 steps = run["steps"]
                 phases = {k: round(t / steps * 1e3, 3) for k, t in sorted(T.items())}
                 line = {"tok_s": round(run["tokens_per_s"]), "steps": steps, "step_ms": round(run["step_ms"], 2),
-                        "tokens": run["completion_tokens"], "prompt_s": round(run["prompt_s"], 3), "ms_per_step": phases}
+                        "tokens": run["completion_tokens"], "prompt_tokens": run["prompt_tokens"],
+                        "prompt_s": round(run["prompt_s"], 3), "ms_per_step": phases}  # fmt: skip
                 out.setdefault(name, []).append(line)
                 print(name, json.dumps(line), flush=True)
     finally:
