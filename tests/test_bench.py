@@ -323,6 +323,17 @@ def test_feature_phases_times_each_phase_of_free_json_and_logprobs_runs():
     assert BatchScheduler._read is before
 
 
+def test_feature_phases_takes_long_random_prompts():
+    """`--synthetic N`: every job a random prompt of about N tokens (the chat template's
+    few around it), the variants asked for only."""
+    phases = bench_script("feature_phases")
+    out = phases.main(["--shape", "tiny", "--dtype", "float32", "--jobs", "3", "--rows", "3", "--max-tokens", "2",
+                       "--repeats", "1", "--variants", "free", "--synthetic", "60"])  # fmt: skip
+    assert set(out) == {"free"}
+    (run,) = out["free"]
+    assert 3 * 60 <= run["prompt_tokens"] <= 3 * 90 and run["tokens"] == 3 * 2
+
+
 def test_grammar_threads_times_masks_for_each_way_of_making_matchers(tmp_path):
     """One row of timings per (threads, kept) pair, the schema read back from the file
     `--write-schema` wrote (a machine without MLX)."""
