@@ -40,7 +40,7 @@
 #              -d .gpu/) is unpacked into /tmp/site.
 #   phases     where a batched step's host time goes, free against JSON-schema and logprobs rows
 #              (PHASE_VARIANTS=free,json: only those; PHASE_SYNTHETIC=N: random prompts of N tokens,
-#              rows over long contexts)
+#              rows over long contexts; PHASE_REPEATS, default 2)
 #              (bench/feature_phases.py; PHASE_SHAPES, default the 0.5B and 7B shapes; needs
 #              llguidance as features does). With VOCAB=N (phases and features) the shapes take a
 #              trained N-token tokenizer (bench/grammar_masks.py --save-tokenizer): the demo's
@@ -256,7 +256,7 @@ stage_phases() {  # VOCAB=N: the shapes with a trained tokenizer of N tokens (a 
   for shape in ${PHASE_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
     for s in $(sides); do
       step "phases_${shape}_$s" 240 $(side "$s") python3 bench/feature_phases.py --shape "$shape" --jobs 256 \
-        --rows auto --repeats 2 ${PHASE_VARIANTS:+--variants $PHASE_VARIANTS} \
+        --rows auto --repeats "${PHASE_REPEATS:-2}" ${PHASE_VARIANTS:+--variants $PHASE_VARIANTS} \
         ${PHASE_SYNTHETIC:+--synthetic $PHASE_SYNTHETIC} $tok --out "$R/phases_${shape}_$s.json"
     done
   done
