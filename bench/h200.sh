@@ -39,12 +39,12 @@
 #              --only-binary=:all: --platform manylinux_2_31_x86_64 --python-version 3.12
 #              -d .gpu/) is unpacked into /tmp/site.
 #   phases     where a batched step's host time goes, free against JSON-schema and logprobs rows
-#              (PHASE_VARIANTS=free,json: only those; PHASE_SYNTHETIC=N: random prompts of N tokens,
-#              rows over long contexts; PHASE_REPEATS, default 2)
-#              (bench/feature_phases.py; PHASE_SHAPES, default the 0.5B and 7B shapes; needs
-#              llguidance as features does). With VOCAB=N (phases and features) the shapes take a
-#              trained N-token tokenizer (bench/grammar_masks.py --save-tokenizer): the demo's
-#              4,096 tokens understate a real vocabulary's mask cost
+#              (bench/feature_phases.py; PHASE_SHAPES, default the 0.5B and 7B shapes;
+#              PHASE_VARIANTS=free,json: only those; PHASE_SYNTHETIC=N: random prompts of N tokens,
+#              rows over long contexts; PHASE_REPEATS, default 2; needs llguidance as features does).
+#              With VOCAB=N (phases and features) the shapes take a trained N-token tokenizer
+#              (bench/grammar_masks.py --save-tokenizer): the demo's 4,096 tokens understate a real
+#              vocabulary's mask cost
 #   fresh      a machine's first `batchgen run` process (fp16, one at a time, the first 40 edit jobs: run this
 #              stage first on a new machine), then the next; after each, the kept builds (MLX's and batchgen's,
 #              kernels/registry.py keep_builds) listed in the order they were written, and the longest gaps
