@@ -129,30 +129,40 @@ def _filled_cache(model, rows: int, context: int) -> list:
 
 
 def sweep(shape: str, rows: list[int], contexts: list[int], warps: list[int], host_ms: list[float],
-          steps: int = 32) -> list[str]:  # fmt: skip
-    """`_ms_a_step` for each (rows, context, attention WARPS, host_ms), one model build
-    (a 7B shape's weights take a while): a line each, printed and returned."""
+          steps: int = 32, groups: tuple = (None,), unrolls: tuple = (None,)) -> list[str]:  # fmt: skip
+    """`_ms_a_step` for each (rows, context, attention WARPS, GROUPED, UNROLL, host_ms),
+    one model build (a 7B shape's weights take a while): a line each, printed and
+    returned. A warps count sets every kernel's (WARPS, WIDE_WARPS, GROUP_WARPS); None
+    in `groups` / `unrolls` leaves attention.py's setting."""
     import copy
 
     from batchgen.kernels import attention
 
-    model, lines, before = _step_model(shape), [], (attention.WARPS, attention.WIDE_WARPS)
+    names = ("WARPS", "WIDE_WARPS", "GROUP_WARPS", "GROUPED", "UNROLL")
+    model, lines, before = _step_model(shape), [], {n: getattr(attention, n) for n in names}
     try:
         for r in rows:
             for context in contexts:
                 cache = _filled_cache(model, r, context)
                 for w in warps:
-                    attention.WARPS = attention.WIDE_WARPS = w  # read when a step is recorded: a new stepper records anew
-                    step = _stepper(model)
-                    for h in host_ms:
-                        timed = [copy.copy(c) for c in cache]
-                        _ms_a_step(lambda y: step(timed, y), r, steps, h)  # the first round builds and warms
-                        line = f"{shape} rows={r} context={context} warps={w} host_ms={h:g} " + \
-                            _ms_a_step(lambda y: step(timed, y), r, steps, h)
-                        print(line, flush=True)
-                        lines.append(line)
+                    for g in groups:
+                        for u in unrolls:
+                            # read when a step is recorded: a new stepper records anew
+                            attention.WARPS = attention.WIDE_WARPS = attention.GROUP_WARPS = w
+                            attention.GROUPED = before["GROUPED"] if g is None else bool(g)
+                            attention.UNROLL = before["UNROLL"] if u is None else u
+                            step = _stepper(model)
+                            for h in host_ms:
+                                timed = [copy.copy(c) for c in cache]
+                                _ms_a_step(lambda y: step(timed, y), r, steps, h)  # the first round builds and warms
+                                line = (f"{shape} rows={r} context={context} warps={w} "
+                                        f"grouped={int(attention.GROUPED)} unroll={attention.UNROLL} host_ms={h:g} "
+                                        + _ms_a_step(lambda y: step(timed, y), r, steps, h))  # fmt: skip
+                                print(line, flush=True)
+                                lines.append(line)
     finally:
-        attention.WARPS, attention.WIDE_WARPS = before
+        for n, v in before.items():
+            setattr(attention, n, v)
     return lines
 
 
@@ -276,6 +286,8 @@ def main() -> None:
     ap.add_argument("--context", default="512", help="sweep: a comma list")
     ap.add_argument("--warps", default="16", help="sweep: the attention kernels' warps a block, a comma list")
     ap.add_argument("--host-ms", default="0", help="sweep: host work between steps, ms, a comma list")
+    ap.add_argument("--grouped", default="", help="sweep: 0 / 1, a block per query head / per kv head on wide grids, a comma list")
+    ap.add_argument("--unroll", default="", help="sweep: the attention kernels' UNROLL, a comma list")
     ap.add_argument("--steps", type=int, default=1, help="step: steps in the profiled range")
     a = ap.parse_args()
     if a.mode == "summary":
@@ -284,7 +296,9 @@ def main() -> None:
         summary(a.path)
     elif a.mode == "sweep":
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-        sweep(a.shape, ints(a.rows), ints(a.context), ints(a.warps), [float(x) for x in a.host_ms.split(",")])
+        opt = lambda text: ints(text) if text else [None]  # noqa: E731
+        sweep(a.shape, ints(a.rows), ints(a.context), ints(a.warps), [float(x) for x in a.host_ms.split(",")],
+              groups=opt(a.grouped), unrolls=opt(a.unroll))  # fmt: skip
     elif a.mode == "step":
         batch_step(a.shape, int(a.rows), int(a.context), a.steps)
     elif a.mode == "tq":

@@ -391,19 +391,22 @@ def test_attention_plans_times_each_mask_kind_and_counts_the_shapes(tmp_path):
 
 
 def test_kernel_profile_sweep_times_every_setting_and_puts_the_warps_back():
-    """A line per (rows, context, warps, host ms), each with the step's wall and queueing
-    ms; host work longer than a step bounds the step (its sleep is taken every step)."""
+    """A line per (rows, context, warps, grouped, unroll, host ms), each with the step's
+    wall and queueing ms; host work longer than a step bounds the step (its sleep is taken
+    every step); the kernels' settings are put back."""
     from batchgen.kernels import attention
 
     kp = bench_script("kernel_profile")
-    lines = kp.sweep("tiny", [2], [24], [16, 4], [0.0, 150.0], steps=4)
-    settings = [tuple(part for part in line.split() if part.split("=")[0] in ("rows", "context", "warps", "host_ms"))
-                for line in lines]  # fmt: skip
-    assert settings == [("rows=2", "context=24", f"warps={w}", f"host_ms={h}") for w in (16, 4) for h in ("0", "150")]
+    before = (attention.WARPS, attention.WIDE_WARPS, attention.GROUP_WARPS, attention.GROUPED, attention.UNROLL)
+    lines = kp.sweep("tiny", [2], [24], [16, 4], [0.0, 150.0], steps=4, groups=[0, 1], unrolls=[None])
+    keys = ("rows", "context", "warps", "grouped", "unroll", "host_ms")
+    settings = [tuple(part for part in line.split() if part.split("=")[0] in keys) for line in lines]
+    assert settings == [("rows=2", "context=24", f"warps={w}", f"grouped={g}", f"unroll={attention.UNROLL}",
+                         f"host_ms={h}") for w in (16, 4) for g in (0, 1) for h in ("0", "150")]  # fmt: skip
     wall = [float(line.split("wall_ms_per_step=")[1].split()[0]) for line in lines]
     queue = [float(line.split("queue_ms_per_step=")[1].split()[0]) for line in lines]
-    assert all(q > 0 for q in queue) and min(wall[1], wall[3]) >= 150 * 4 / 5 > max(wall[0], wall[2])
-    assert (attention.WARPS, attention.WIDE_WARPS) == (16, 4)
+    assert all(q > 0 for q in queue) and min(wall[1::2]) >= 150 * 4 / 5 > max(wall[0::2])
+    assert (attention.WARPS, attention.WIDE_WARPS, attention.GROUP_WARPS, attention.GROUPED, attention.UNROLL) == before
 
 
 def test_predicted_outputs_bench_runs_both_sides_on_the_same_jobs(tmp_path):

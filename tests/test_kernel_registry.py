@@ -45,7 +45,7 @@ def record_launch(monkeypatch, op, args, kwargs) -> dict:
     def fake_kernel(*_):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
             seen.update(inputs=inputs, template=template, output_shapes=output_shapes, output_dtypes=output_dtypes,
-                        threadgroup=threadgroup)
+                        threadgroup=threadgroup, grid=grid)
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
         return launch
@@ -136,6 +136,30 @@ def test_wide_grids_take_fewer_warps_in_the_fp16_batch_kernels_only(monkeypatch)
         assert seen["threadgroup"][0] == 32 * warps, name
         assert warps == (max(attention.WIDE_WARPS, d // 32) if name in FP16_BATCH_OPS else attention.WARPS), name
     assert checked >= set(FP16_BATCH_OPS) | {"tq_rows_step", "tq_rows_fused_step"}
+
+
+def test_wide_grids_group_a_kv_heads_query_heads_in_the_fp16_batch_kernels(monkeypatch):
+    """On a wide grid the fp16 batch kernels take all of a kv head's query heads a block
+    (QB = HQ / HKV, a grid of rows x kv heads blocks); otherwise, with grouping off, or
+    for the TurboQuant rows' kernels, a block per query head (QB = 1, or no QB)."""
+    from batchgen.kernels import attention
+
+    def launches(name):
+        op = registry.OPS[name]
+        for args, kwargs in op.examples():
+            seen = record_launch(monkeypatch, op, args, kwargs)
+            t = dict(seen["template"])
+            yield t.get("QB"), t["HQ"], t["HKV"], seen["grid"][0] // seen["threadgroup"][0], args[0].shape[0]
+
+    for wide_grid, grouped in ((1, True), (1, False), (2048, True)):
+        monkeypatch.setattr(attention, "WIDE_GRID", wide_grid)
+        monkeypatch.setattr(attention, "GROUPED", grouped)
+        for name in FP16_BATCH_OPS:
+            for qb, hq, hkv, blocks, rows in launches(name):
+                want = hq // hkv if grouped and wide_grid == 1 and hq > hkv else 1
+                assert (qb, blocks) == (want, rows * hq // want), (name, wide_grid, grouped)
+        for name in ("tq_rows_step", "tq_rows_fused_step"):
+            assert all(qb is None and blocks == rows * hq for qb, hq, _, blocks, rows in launches(name)), name
 
 
 @pytest.mark.parametrize("examples,wide", [("first", False), ("first", True), pytest.param("all", False, marks=pytest.mark.slow)])

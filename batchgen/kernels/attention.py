@@ -44,6 +44,14 @@ UNROLL = 4
 WARPS = 16
 WIDE_WARPS = 4
 WIDE_GRID = 2048
+# Query heads a block on a wide grid (the fp16 kernels; attend.cuh's QB): all of a kv
+# head's (QB = HQ / HKV), so each key and value is loaded once for them, not once per
+# query head. Up to MAX_GROUP heads (each lane keeps 2 x 8 floats of every head in
+# registers); one job's step (Hq blocks at most) keeps a block per query head, as there
+# are too few kv heads to fill the GPU. GROUP_WARPS: warps a grouped block.
+GROUPED = True
+MAX_GROUP = 8
+GROUP_WARPS = 4
 
 
 def warps(blocks: int, d: int, wide: bool = True) -> int:
@@ -56,6 +64,17 @@ def warps(blocks: int, d: int, wide: bool = True) -> int:
     """
     w = WIDE_WARPS if wide and blocks >= WIDE_GRID else WARPS
     return max(w, d // 32)
+
+
+def group(rows: int, q_heads: int, kv_heads: int) -> int:
+    """Query heads a block of the fp16 batch kernels (`GROUPED`): all of a kv head's on
+    a wide grid, else one.
+
+    >>> group(256, 28, 4), group(8, 28, 4), group(256, 32, 2), group(256, 8, 8)
+    (7, 1, 1, 1)
+    """
+    g = q_heads // kv_heads
+    return g if GROUPED and 1 < g <= MAX_GROUP and rows * q_heads >= WIDE_GRID else 1
 
 
 def wide_rows(q_heads: int) -> int:
@@ -85,24 +104,27 @@ def kernel_takes(*arrays) -> bool:
 
 
 def launch(op: Op, queries: mx.array, kv_heads: int, inputs: dict, scale: float, also: dict,
-           q_heads: int | None = None, flat: bool = False, template: tuple = (), wide: bool = True) -> list:  # fmt: skip
+           q_heads: int | None = None, flat: bool = False, template: tuple = (), wide: bool = True,
+           grouped: bool = False) -> list:  # fmt: skip
     """Run `op` over q + `inputs` + scale: out (B, q_heads, 1, D) in the queries' dtype
     (the kernel rounds its float32 sums on the way out, which saves each layer of a step
     a cast of its own), then each output named in `also`, shaped like its array there.
     `q_heads`: the query heads, where `queries` holds more heads than that (HT: all of
     them). `flat`: out as (B, q_heads * D), the same memory (the output projection's
     input). `template`: constants besides the shapes. `wide`: fewer warps a block on a
-    wide grid (`warps`)."""
+    wide grid (`warps`). `grouped`: the op's source takes QB query heads a block
+    (attend.cuh), as many as `group` gives."""
     B, all_heads, _, d = queries.shape
     n_heads = q_heads or all_heads
     scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
-    w = warps(B * n_heads, d, wide)
+    qb = group(B, n_heads, kv_heads) if grouped else 1
+    w = max(GROUP_WARPS, d // 32) if qb > 1 else warps(B * n_heads, d, wide)
     threads = 32 * w
     return op.kernel()(
         inputs=[queries, *inputs.values(), scale_arr],
         template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", w),
-                  ("UNROLL", UNROLL), *template],  # fmt: skip
-        grid=(B * n_heads * threads, 1, 1),
+                  ("UNROLL", UNROLL), *((("QB", qb),) if grouped else ()), *template],  # fmt: skip
+        grid=(B * n_heads // qb * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads * d) if flat else (B, n_heads, 1, d)] + [a.shape for a in also.values()],
         output_dtypes=[queries.dtype] + [a.dtype for a in also.values()],
@@ -136,7 +158,7 @@ def _random(shape, seed: int, dtype) -> mx.array:
 
 def _decode_kernel(q, k, v, left_padding, bounds, scale):
     return launch(BATCH_DECODE, q, k.shape[1], {"k": k, "v": v, "left_padding": left_padding.astype(mx.int32),
-                                                "meta": bounds}, scale, {})[0]  # fmt: skip
+                                                "meta": bounds}, scale, {}, grouped=True)[0]  # fmt: skip
 
 
 def _decode_reference(q, k, v, left_padding, bounds, scale):
@@ -177,7 +199,7 @@ def batch_decode(q, k, v, left_padding, bounds, scale) -> mx.array:
 def _step_kernel(q, kn, vn, k, v, rk, rv, left_padding, meta, scale):
     inputs = {"k": k, "v": v, "rk": rk, "rv": rv, "kn": kn, "vn": vn, "left_padding": left_padding.astype(mx.int32),
               "meta": meta}  # fmt: skip
-    return tuple(launch(BATCH_STEP, q, rk.shape[1], inputs, scale, {"rk_out": rk, "rv_out": rv}))
+    return tuple(launch(BATCH_STEP, q, rk.shape[1], inputs, scale, {"rk_out": rk, "rv_out": rv}, grouped=True))
 
 
 def _write_slot(window: mx.array, x: mx.array, slot: mx.array) -> mx.array:
@@ -230,7 +252,7 @@ def _fused_kernel(roped, heads, k, v, rk, rv, left_padding, meta, scale):
     inputs = {"heads": heads, "k": k, "v": v, "rk": rk, "rv": rv, "left_padding": left_padding.astype(mx.int32),
               "meta": meta}  # fmt: skip
     return tuple(launch(BATCH_FUSED_STEP, roped, kv_heads, inputs, scale, {"rk_out": rk, "rv_out": rv},
-                        q_heads=roped.shape[1] - 2 * kv_heads, flat=True))  # fmt: skip
+                        q_heads=roped.shape[1] - 2 * kv_heads, flat=True, grouped=True))  # fmt: skip
 
 
 def split_heads(roped: mx.array, heads: mx.array, kv_heads: int) -> tuple[mx.array, mx.array, mx.array]:

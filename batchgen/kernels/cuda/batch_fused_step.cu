@@ -4,10 +4,9 @@
 // either first.
 #include "common.cuh"
 // --- body ---
-  const int bh = blockIdx.x;
-  const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
-  #define QP (q + ((size_t)b * HT + h) * D)
+  const int b = blockIdx.x / (HQ / QB), h = (blockIdx.x % (HQ / QB)) * QB, hk = h / (HQ / HKV);
+  #define QP(g) (q + ((size_t)b * HT + h + (g)) * D)
+  #define OUT(g) (out + ((size_t)b * HQ + h + (g)) * D)
   #define KN (q + ((size_t)b * HT + HQ + hk) * D)
   #define VN (heads + ((size_t)b * HT + HQ + HKV + hk) * D)
 #include "step_attend.cuh"
-

@@ -3,10 +3,9 @@
 // vn), which goes into the window's slot on the way.
 #include "common.cuh"
 // --- body ---
-  const int bh = blockIdx.x;
-  const int b = bh / HQ, h = bh % HQ, hk = h / (HQ / HKV);
-  #define QP (q + (size_t)bh * D)
+  const int b = blockIdx.x / (HQ / QB), h = (blockIdx.x % (HQ / QB)) * QB, hk = h / (HQ / HKV);
+  #define QP(g) (q + ((size_t)b * HQ + h + (g)) * D)
+  #define OUT(g) (out + ((size_t)b * HQ + h + (g)) * D)
   #define KN (kn + ((size_t)b * HKV + hk) * D)
   #define VN (vn + ((size_t)b * HKV + hk) * D)
 #include "step_attend.cuh"
-

@@ -1,5 +1,6 @@
 // Body fragment of the batch attention kernels (included inside a kernel body).
-// One block per (row, query head) `bh`; QP points at its query. A column (position) is
+// A block reads one row's columns for one query head or (attend.cuh's QB) all of a kv
+// head's. A column (position) is
 // read by LPC = D / 8 lanes, 8 coordinates each, so a warp reads CPW = 32 / LPC columns
 // at once, UNROLL rounds of them together (their loads in flight together: one key after
 // another would wait on memory latency). (A lane per D / 32 coordinates and a column a
