@@ -134,7 +134,8 @@ def test_wide_grids_take_fewer_warps_in_the_fp16_batch_kernels_only(monkeypatch)
         checked.add(name)
         warps, d = template["WARPS"], template["D"]
         assert seen["threadgroup"][0] == 32 * warps, name
-        assert warps == (max(attention.WIDE_WARPS, d // 32) if name in FP16_BATCH_OPS else attention.WARPS), name
+        fp16_warps = attention.GROUP_WARPS if template.get("QB", 1) > 1 else attention.WIDE_WARPS
+        assert warps == (max(fp16_warps, d // 32) if name in FP16_BATCH_OPS else attention.WARPS), name
     assert checked >= set(FP16_BATCH_OPS) | {"tq_rows_step", "tq_rows_fused_step"}
 
 

@@ -3,7 +3,9 @@
 Rows of different lengths share a left-padded buffer, and MLX's CUDA backend has no
 fused one-query attention that takes a mask: each layer's step fell back to matmul +
 mask + softmax + matmul (bench/RESULTS.md#batch-attention-kernel). These kernels read
-each row from its own first position instead, a block per (row, query head):
+each row from its own first position instead, a block per (row, query head), or for
+the fp16 kernels on a wide grid a block per (row, kv head) serving all its query heads
+(`group`):
 
     batch_decode         mlx-lm's BatchKVCache after its update
     batch_step           the compiled step's cache (step/compiled.py): big buffers, a
@@ -48,7 +50,10 @@ WIDE_GRID = 2048
 # head's (QB = HQ / HKV), so each key and value is loaded once for them, not once per
 # query head. Up to MAX_GROUP heads (each lane keeps 2 x 8 floats of every head in
 # registers); one job's step (Hq blocks at most) keeps a block per query head, as there
-# are too few kv heads to fill the GPU. GROUP_WARPS: warps a grouped block.
+# are too few kv heads to fill the GPU. GROUP_WARPS: warps a grouped block. Whether
+# grouping stays on is for a GPU to say: parity (tests/test_kernel_registry.py, wide),
+# then whole batched runs over long rows against the ungrouped kernel (bench/h200.sh
+# phases, PHASE_SYNTHETIC=1024) and the step sweep (kernel_profile.py --grouped 0,1).
 GROUPED = True
 MAX_GROUP = 8
 GROUP_WARPS = 4
