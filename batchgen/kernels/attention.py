@@ -57,6 +57,10 @@ WIDE_GRID = 2048
 GROUPED = True
 MAX_GROUP = 8
 GROUP_WARPS = 4
+# The grouped form's keys and values staged in shared memory, a warp serving some of the
+# block's query heads (attend_tiled.cuh), against each lane keeping all of them in
+# registers (attend.cuh). Measured as `GROUPED` is (kernel_profile.py --tiled 0,1).
+TILED = True
 
 
 def warps(blocks: int, d: int, wide: bool = True) -> int:
@@ -128,7 +132,8 @@ def launch(op: Op, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
     return op.kernel()(
         inputs=[queries, *inputs.values(), scale_arr],
         template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", w),
-                  ("UNROLL", UNROLL), *((("QB", qb),) if grouped else ()), *template],  # fmt: skip
+                  ("UNROLL", UNROLL), *((("QB", qb), ("TILED", int(TILED and qb > 1))) if grouped else ()),
+                  *template],  # fmt: skip
         grid=(B * n_heads // qb * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads * d) if flat else (B, n_heads, 1, d)] + [a.shape for a in also.values()],

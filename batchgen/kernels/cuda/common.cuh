@@ -37,6 +37,21 @@ __device__ __forceinline__ void ld8<__nv_bfloat16>(const __nv_bfloat16* p, float
 template <>
 __device__ __forceinline__ void ld8<__half>(const __half* p, float* x) { ld8_pairs<__half2>(p, x); }
 
+// 16 bytes global -> shared without a register stop (cp.async, sm_80 on), waited on by
+// group; a source not 16-byte aligned is copied by plain loads instead.
+__device__ __forceinline__ void cp_async16(void* dst, const unsigned char* src) {
+  if ((reinterpret_cast<size_t>(src) & 15) != 0) {
+    #pragma unroll
+    for (int i = 0; i < 16; i++) static_cast<unsigned char*>(dst)[i] = src[i];
+    return;
+  }
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // The batch attention kernels' lane groups (lanes.cuh): each of a warp's CPW columns is
 // read by LPC lanes, UNROLL rounds of columns at a time. Sums each column's score over its
 // lanes (s, in place) and returns the running maximum m taken over the columns in range
