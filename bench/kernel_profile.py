@@ -133,14 +133,13 @@ def sweep(shape: str, rows: list[int], contexts: list[int], warps: list[int], ho
           steps: int = 32, groups: tuple = (None,), unrolls: tuple = (None,)) -> list[str]:  # fmt: skip
     """`_ms_a_step` for each (rows, context, attention WARPS, GROUPED, UNROLL, host_ms),
     one model build (a 7B shape's weights take a while): a line each, printed and
-    returned. A warps count sets every kernel's (WARPS, WIDE_WARPS, GROUP_WARPS); a
-    `groups` value is `grouping`'s; None in `groups` / `unrolls` leaves attention.py's
-    setting."""
+    returned. A warps count sets every kernel's (WARPS, WIDE_WARPS, GROUP_WARPS); None
+    in `groups` / `unrolls` leaves attention.py's setting."""
     import copy
 
     from batchgen.kernels import attention
 
-    names = ("WARPS", "WIDE_WARPS", "GROUP_WARPS", "GROUPED", "TILED", "UNROLL")
+    names = ("WARPS", "WIDE_WARPS", "GROUP_WARPS", "GROUPED", "UNROLL")
     model, lines, before = _step_model(shape), [], {n: getattr(attention, n) for n in names}
     try:
         for r in rows:
@@ -151,15 +150,14 @@ def sweep(shape: str, rows: list[int], contexts: list[int], warps: list[int], ho
                         for u in unrolls:
                             # read when a step is recorded: a new stepper records anew
                             attention.WARPS = attention.WIDE_WARPS = attention.GROUP_WARPS = w
-                            if g is not None:
-                                grouping(g)
+                            attention.GROUPED = before["GROUPED"] if g is None else bool(g)
                             attention.UNROLL = before["UNROLL"] if u is None else u
                             step = _stepper(model)
                             for h in host_ms:
                                 timed = [copy.copy(c) for c in cache]
                                 _ms_a_step(lambda y: step(timed, y), r, steps, h)  # the first round builds and warms
                                 line = (f"{shape} rows={r} context={context} warps={w} "
-                                        f"grouped={grouping()} unroll={attention.UNROLL} host_ms={h:g} "
+                                        f"grouped={int(attention.GROUPED)} unroll={attention.UNROLL} host_ms={h:g} "
                                         + _ms_a_step(lambda y: step(timed, y), r, steps, h))  # fmt: skip
                                 print(line, flush=True)
                                 lines.append(line)
@@ -167,18 +165,6 @@ def sweep(shape: str, rows: list[int], contexts: list[int], warps: list[int], ho
         for n, v in before.items():
             setattr(attention, n, v)
     return lines
-
-
-def grouping(mode: int | None = None) -> int:
-    """The fp16 batch kernels' grouping on wide grids: 0 a block per query head, 1 a
-    block per kv head with its query heads in each lane's registers, 2 the same with
-    keys and values staged in shared memory (attention.GROUPED, TILED). Sets `mode`
-    where given; returns the mode in force."""
-    from batchgen.kernels import attention
-
-    if mode is not None:
-        attention.GROUPED, attention.TILED = mode > 0, mode == 2
-    return 0 if not attention.GROUPED else 2 if attention.TILED else 1
 
 
 def batch_step(shape: str, rows: int, context: int, steps: int) -> None:
@@ -301,7 +287,7 @@ def main() -> None:
     ap.add_argument("--context", default="512", help="sweep: a comma list")
     ap.add_argument("--warps", default="16", help="sweep: the attention kernels' warps a block, a comma list")
     ap.add_argument("--host-ms", default="0", help="sweep: host work between steps, ms, a comma list")
-    ap.add_argument("--grouped", default="", help="sweep: `grouping` modes 0 / 1 / 2 on wide grids, a comma list (step: one value)")
+    ap.add_argument("--grouped", default="", help="0 / 1: a block per query head / per kv head on wide grids; sweep: a comma list, step: one value")
     ap.add_argument("--unroll", default="", help="sweep: the attention kernels' UNROLL, a comma list")
     ap.add_argument("--steps", type=int, default=1, help="step: steps in the profiled range")
     a = ap.parse_args()
@@ -315,8 +301,10 @@ def main() -> None:
         sweep(a.shape, ints(a.rows), ints(a.context), ints(a.warps), [float(x) for x in a.host_ms.split(",")],
               groups=opt(a.grouped), unrolls=opt(a.unroll))  # fmt: skip
     elif a.mode == "step":
-        if a.grouped:  # one value
-            grouping(int(a.grouped))
+        if a.grouped:  # one value: the step's fp16 kernels grouped on wide grids (1) or a block per query head (0)
+            from batchgen.kernels import attention
+
+            attention.GROUPED = bool(int(a.grouped))
         batch_step(a.shape, int(a.rows), int(a.context), a.steps)
     elif a.mode == "tq":
         tq_step(a.shape, int(a.context))

@@ -47,20 +47,17 @@ WARPS = 16
 WIDE_WARPS = 4
 WIDE_GRID = 2048
 # Query heads a block on a wide grid (the fp16 kernels; attend.cuh's QB): all of a kv
-# head's (QB = HQ / HKV), so each key and value is loaded once for them, not once per
-# query head. Up to MAX_GROUP heads (each lane keeps 2 x 8 floats of every head in
-# registers); one job's step (Hq blocks at most) keeps a block per query head, as there
-# are too few kv heads to fill the GPU. GROUP_WARPS: warps a grouped block. Whether
-# grouping stays on is for a GPU to say: parity (tests/test_kernel_registry.py, wide),
-# then whole batched runs over long rows against the ungrouped kernel (bench/h200.sh
-# phases, PHASE_SYNTHETIC=1024) and the step sweep (kernel_profile.py --grouped 0,1).
+# head's (QB = HQ / HKV), each key and value copied once into shared memory for them
+# (attend_tiled.cuh), not read once per query head. Whole batched runs with it, against
+# a block per query head: 1.06-1.39x tokens/s on the 7B and 0.5B shapes, short and
+# 1,024-token prompts (H100; bench/RESULTS.md "Batch attention kernel"). One job's step
+# (Hq blocks at most) keeps a block per query head: too few kv heads to fill the GPU.
+# MAX_GROUP: a warp keeps QB / GROUP_WARPS heads' sums in registers; groups of more than
+# 8 (no model measured) would want more warps. GROUP_WARPS: 8 took 4-10% less time a
+# step than 4 in the step sweep, not yet compared in whole runs, which would decide it.
 GROUPED = True
 MAX_GROUP = 8
 GROUP_WARPS = 4
-# The grouped form's keys and values staged in shared memory, a warp serving some of the
-# block's query heads (attend_tiled.cuh), against each lane keeping all of them in
-# registers (attend.cuh). Measured as `GROUPED` is (kernel_profile.py --tiled 0,1).
-TILED = True
 
 
 def warps(blocks: int, d: int, wide: bool = True) -> int:
@@ -132,8 +129,7 @@ def launch(op: Op, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
     return op.kernel()(
         inputs=[queries, *inputs.values(), scale_arr],
         template=[("D", d), ("HQ", n_heads), ("HKV", kv_heads), ("HT", all_heads), ("WARPS", w),
-                  ("UNROLL", UNROLL), *((("QB", qb), ("TILED", int(TILED and qb > 1))) if grouped else ()),
-                  *template],  # fmt: skip
+                  ("UNROLL", UNROLL), *((("QB", qb),) if grouped else ()), *template],  # fmt: skip
         grid=(B * n_heads // qb * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads * d) if flat else (B, n_heads, 1, d)] + [a.shape for a in also.values()],

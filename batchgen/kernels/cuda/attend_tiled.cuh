@@ -1,11 +1,11 @@
-// Body fragment: attend.cuh's grouped form (a block per (row, kv head), its QB query
-// heads) with the keys and values staged in shared memory. The block copies TILE
-// positions at a time (cp.async; the next tile's copy runs under this tile's sums) and
-// each warp serves HPW of the QB heads over every position of a tile, so a lane keeps
-// HPW heads' query and sums rather than all QB (attend.cuh's register form: ~210
-// registers a thread at QB = 7, two blocks of 4 warps an SM). Each warp's CPW lane
-// groups take a tile's columns in turn and merge by shuffles at the end: no shared
-// memory merge, one head per warp slot.
+// Body fragment: attend.cuh's grouped form, a block per (row, kv head) and its QB query
+// heads. The block copies TILE positions' keys and values at a time into shared memory
+// (cp.async; the next tile's copy runs under this tile's sums), and each warp serves HPW
+// of the QB heads over every position of a tile, so a lane keeps HPW heads' query and
+// sums. (Each lane keeping all QB heads, the keys and values read straight from global
+// memory, took ~210 registers a thread at QB = 7 and 15% more time a 7B step at 1,024
+// positions: bench/RESULTS.md "Batch attention kernel".) A warp's CPW lane groups take
+// a tile's columns in turn and merge by shuffles at the end.
   using KP = decltype(KEY(start));
   constexpr int ES = sizeof(*KEY(start)), ROWB = D * ES;  // bytes an element, a position's key
   constexpr int TILE = 8192 / ROWB, CH = ROWB / 16;        // positions a tile (8 KB of keys), 16-byte copies a position
