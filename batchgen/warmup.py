@@ -11,7 +11,7 @@ takes (one job at a time with prompt lookup, and batched rows; fp16 and
 TurboQuant caches; prompts of a few lengths, so prompt passes of several
 sizes build). On CUDA the fp16 batched path also runs once as wide as a
 large batch (`attention.wide_rows`: from there the batch attention kernels
-take fewer warps a block, another build). Off CUDA there is nothing to keep and
+take a block per kv head or fewer warps a block, other builds). Off CUDA there is nothing to keep and
 the command only runs.
 """
 
@@ -88,7 +88,7 @@ def warm_up(config: EngineConfig, kv_kinds: tuple[str, ...] = ("fp16",), batched
     jobs = warm_up_jobs(line_tokens, engine.context_length, max_tokens)
     resolved = engine.config  # the draft and its ceiling as this device resolved them
     wide = 0
-    if builds and batched:  # a large fp16 batch's kernels (fewer warps a block) build apart
+    if builds and batched:  # a large fp16 batch's kernels (grouped heads, fewer warps a block) build apart
         from .engine.entering import attention_heads
         from .kernels.attention import wide_rows
 

@@ -340,8 +340,9 @@ def test_summary_reports_the_batch_and_overall_throughput(tmp_path, model):
 
 def test_warm_up_also_runs_a_batch_wide_enough_for_the_wide_grid_kernels(model, monkeypatch, tmp_path):
     """Where kernel builds are kept (CUDA; stood in for here), the fp16 batched path
-    runs once more with the rows from which the batch attention kernels take fewer
-    warps (`attention.wide_rows`, made small here; TurboQuant's rows keep theirs):
+    runs once more with the rows from which the batch attention kernels take a block
+    per kv head or fewer warps (`attention.wide_rows`, made small here; TurboQuant's rows
+    keep theirs):
     every job of it finishes."""
     from batchgen.config import EngineConfig
     from batchgen.kernels import attention, registry
