@@ -174,8 +174,10 @@ def _decode_reference(q, k, v, left_padding, bounds, scale):
 
 
 def _decode_examples():
+    # the last, as in the step's examples: the demo model's heads (pairs of query heads, head dim 32)
     out = []
-    for d, (hq, hkv), dtype in ((64, (14, 2), mx.float32), (128, (8, 8), mx.float32), (64, (14, 2), mx.bfloat16)):
+    for d, (hq, hkv), dtype in ((64, (14, 2), mx.float32), (128, (8, 8), mx.float32), (64, (14, 2), mx.bfloat16),
+                                (32, (8, 4), mx.bfloat16)):  # fmt: skip
         pads = mx.array([0, 299, 17, 150, 5])  # 299: a row holding one token
         k, v = (_random((5, hkv, 320, d), s, dtype) for s in (1, 2))
         q = _random((5, hq, 1, d), 3, dtype)
@@ -239,7 +241,8 @@ def step_arguments(q_heads: int, kv_heads: int, d: int, dtype, seed: int = 0, pa
 
 def _step_examples():
     return [(step_arguments(hq, hkv, d, dtype), {})
-            for hq, hkv, d, dtype in ((14, 2, 64, mx.float32), (28, 4, 128, mx.float32), (14, 2, 64, mx.bfloat16))]
+            for hq, hkv, d, dtype in ((14, 2, 64, mx.float32), (28, 4, 128, mx.float32), (14, 2, 64, mx.bfloat16),
+                                      (8, 4, 32, mx.bfloat16))]  # fmt: skip
 
 
 def _step_runs(q, kn, vn, k, v, rk, rv, *rest) -> bool:
