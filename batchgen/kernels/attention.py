@@ -60,15 +60,16 @@ MAX_GROUP = 8
 GROUP_WARPS = 4
 
 
-def warps(blocks: int, d: int, wide: bool = True) -> int:
+def warps(blocks: int, d: int, wide: bool = True, grouped: bool = False) -> int:
     """Warps a block for a launch of `blocks` (rows x query heads) blocks of head
-    size `d`: at least a thread per coordinate (the TurboQuant rows' kernels
-    finish a head with one thread per coordinate).
+    size `d` (`grouped`: blocks of several query heads, `GROUP_WARPS`): at least a
+    thread per coordinate (the TurboQuant rows' kernels finish a head with one
+    thread per coordinate).
 
     >>> warps(28, 128), warps(64 * 28, 128), warps(256 * 28, 128), warps(256 * 28, 256), warps(256 * 28, 128, False)
     (16, 16, 4, 8, 16)
     """
-    w = WIDE_WARPS if wide and blocks >= WIDE_GRID else WARPS
+    w = GROUP_WARPS if grouped else WIDE_WARPS if wide and blocks >= WIDE_GRID else WARPS
     return max(w, d // 32)
 
 
@@ -124,7 +125,7 @@ def launch(op: Op, queries: mx.array, kv_heads: int, inputs: dict, scale: float,
     n_heads = q_heads or all_heads
     scale_arr = constant(("scale", scale), lambda: mx.array([scale], mx.float32))
     qb = group(B, n_heads, kv_heads) if grouped else 1
-    w = max(GROUP_WARPS, d // 32) if qb > 1 else warps(B * n_heads, d, wide)
+    w = warps(B * n_heads, d, wide, grouped=qb > 1)
     threads = 32 * w
     return op.kernel()(
         inputs=[queries, *inputs.values(), scale_arr],

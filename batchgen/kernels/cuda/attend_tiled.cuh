@@ -43,6 +43,7 @@
   if (n_tiles > 0) copy_tile(0, start);
   for (int t = 0; t < n_tiles; t++) {
     const int j0 = start + t * TILE, buf = t & 1;
+    const int last = min(stop, j0 + TILE);  // past the tile's positions, or past `stop`
     if (t + 1 < n_tiles) {
       copy_tile(buf ^ 1, j0 + TILE);
     } else {
@@ -51,14 +52,14 @@
     cp_async_wait<1>();
     __syncthreads();  // tile t in shared memory for every warp
     const KP ks = reinterpret_cast<KP>(tiles[buf][0]), vs = reinterpret_cast<KP>(tiles[buf][1]);
-    for (int p0 = 0; p0 < TILE && j0 + p0 < stop; p0 += UNROLL * CPW) {
+    for (int p0 = 0; j0 + p0 < last; p0 += UNROLL * CPW) {
       float s[HPW][UNROLL];
       #pragma unroll
       for (int u = 0; u < UNROLL; u++) {
         const int p = p0 + u * CPW + grp;
         #pragma unroll
         for (int i = 0; i < HPW; i++) s[i][u] = 0.0f;
-        if (p < TILE && j0 + p < stop) {
+        if (j0 + p < last) {
           float kx[PER];
           ld8(ks + p * D + sub * PER, kx);
           #pragma unroll
@@ -68,8 +69,6 @@
           }
         }
       }
-      // columns past the tile count as past `stop` for the running maximum
-      const int last = min(stop, j0 + TILE);
       float mn[HPW];
       #pragma unroll
       for (int i = 0; i < HPW; i++) mn[i] = lane_sums<UNROLL, LPC, CPW>(s[i], mq[i], j0 + p0 + grp, last);
@@ -84,7 +83,7 @@
       #pragma unroll
       for (int u = 0; u < UNROLL; u++) {
         const int p = p0 + u * CPW + grp;
-        if (p < TILE && j0 + p < stop) {
+        if (j0 + p < last) {
           float vx[PER];
           ld8(vs + p * D + sub * PER, vx);
           #pragma unroll
