@@ -48,13 +48,13 @@ WIDE_WARPS = 4
 WIDE_GRID = 2048
 # Query heads a block on a wide grid (the fp16 kernels; attend.cuh's QB): all of a kv
 # head's (QB = HQ / HKV), each key and value copied once into shared memory for them
-# (attend_tiled.cuh), not read once per query head. Whole batched runs with it, against
-# a block per query head: 1.06-1.39x tokens/s on the 7B and 0.5B shapes, short and
-# 1,024-token prompts (H100; bench/RESULTS.md "Batch attention kernel"). One job's step
-# (Hq blocks at most) keeps a block per query head: too few kv heads to fill the GPU.
-# MAX_GROUP: a warp keeps QB / GROUP_WARPS heads' sums in registers; groups of more than
-# 8 (no model measured) would want more warps. GROUP_WARPS: 8 took 4-10% less time a
-# step than 4 in the step sweep, not yet compared in whole runs, which would decide it.
+# (attend_tiled.cuh), not read once per query head: whole batched runs ran faster with
+# it on the 7B and 0.5B shapes, short and 1,024-token prompts (bench/RESULTS.md "Batch
+# attention kernel"). One job's step (Hq blocks at most) keeps a block per query head:
+# too few kv heads to fill the GPU. MAX_GROUP: a warp keeps QB / GROUP_WARPS heads' sums
+# in registers; groups of more than 8 (no model measured) would want more warps.
+# GROUP_WARPS: 8 took less time a step than 4 in the step sweep but was not compared with
+# 4 in whole runs, which would decide it.
 GROUPED = True
 MAX_GROUP = 8
 GROUP_WARPS = 4

@@ -3,8 +3,8 @@
 // (cp.async; the next tile's copy runs under this tile's sums), and each warp serves HPW
 // of the QB heads over every position of a tile, so a lane keeps HPW heads' query and
 // sums. (Each lane keeping all QB heads, the keys and values read straight from global
-// memory, took ~210 registers a thread at QB = 7 and 15% more time a 7B step at 1,024
-// positions: bench/RESULTS.md "Batch attention kernel".) A warp's CPW lane groups take
+// memory, took about three times the registers and more time a step: bench/RESULTS.md
+// "Batch attention kernel".) A warp's CPW lane groups take
 // a tile's columns in turn and merge by shuffles at the end.
   using KP = decltype(KEY(start));
   constexpr int ES = sizeof(*KEY(start)), ROWB = D * ES;  // bytes an element, a position's key
