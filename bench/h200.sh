@@ -53,6 +53,14 @@
 #              (16, 8, 4) at 32, 64 and 128 rows, where `attention.WIDE_GRID` keeps 16 unmeasured; then 256 rows
 #              with host work between steps (0, 8 ms). (MLX's graph commits by size, MLX_MAX_MB_PER_BUFFER, were
 #              measured not to set the 7B step: bench/RESULTS.md "Dataset-generation features on the batch path")
+#   peer       transformers' continuous batching (bench/peer_transformers.py, generate_batch) over the same 256
+#              jobs x 128 tokens as cron_runs, on the same shapes (PEER_SHAPES; PEER_ATTN, default paged|sdpa):
+#              needs no MLX, so it can run while the MLX parts are still being carried over
+#   cron_one   fresh `batchgen run` processes as cron starts them, run first on a new machine: the first 40 edit
+#              jobs one at a time, fp16 then TurboQuant, each three times (bench/first_line.py)
+#   cron_runs  the same for 256 jobs x 128 tokens, auto rows, on random-weight shapes written to /tmp/shapes
+#              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS, default fp16_1 fp16_2 tq_1 tq_2; with
+#              BASELINE, each side in turn)
 #   grammar_threads  llguidance's mask time a step for 256 and 32 rows, matchers copied from one
 #              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
@@ -155,7 +163,19 @@ stage_quantized_pld() {
 stage_quantized_runs() {  # a cron user's view: fresh processes, load included and reported apart
   local shape=${QRUN_SHAPE:-qwen2.5-7b} dir=/tmp/shapes/q4 round dense
   [[ -d $dir ]] || step "shape_model_q4" 240 python3 bench/shape_model.py "$shape" "$dir" --quantize 4 || return 0
-  python3 - <<'EOF' >/tmp/jobs256.jsonl  # the header line, then 256 jobs cycling freeform's
+  jobs256
+  for round in $(seq "${QRUN_ROUNDS:-2}"); do
+    for dense in on off; do
+      step "run_${dense}_$round" 200 python3 -m batchgen run /tmp/jobs256.jsonl --model "$dir" --max-tokens 128 \
+        --batch-size auto --dense-weights "$dense" -o "/tmp/run_${dense}_$round.jsonl" \
+        --summary "$R/run_${dense}_$round.summary.json"
+    done
+  done
+  return 0
+}
+
+jobs256() {  # /tmp/jobs256.jsonl: the header line, then 256 jobs cycling freeform's
+  python3 - <<'EOF' >/tmp/jobs256.jsonl
 import itertools, json
 lines = open("jobs/freeform.jsonl").read().splitlines()
 print(lines[0])
@@ -164,11 +184,44 @@ for i, line in zip(range(256), itertools.cycle(lines[1:])):
     job["id"] = f"{job['id']}-{i}"
     print(json.dumps(job))
 EOF
-  for round in $(seq "${QRUN_ROUNDS:-2}"); do
-    for dense in on off; do
-      step "run_${dense}_$round" 200 python3 -m batchgen run /tmp/jobs256.jsonl --model "$dir" --max-tokens 128 \
-        --batch-size auto --dense-weights "$dense" -o "/tmp/run_${dense}_$round.jsonl" \
-        --summary "$R/run_${dense}_$round.summary.json"
+}
+
+stage_peer() {  # needs torch and transformers only (orjson for batchgen's job reader from its wheel in .gpu/)
+  python3 -c "import orjson" 2>/dev/null || python3 -m zipfile -e "$(ls .gpu/orjson-*.whl | head -n 1)" /tmp/site
+  jobs256
+  local shape attn
+  for shape in ${PEER_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
+    for attn in ${PEER_ATTN:-paged|sdpa}; do
+      step "peer_${shape}_${attn//[|]/_}" "${PEER_S:-240}" python3 bench/peer_transformers.py /tmp/jobs256.jsonl \
+        --model "$shape" --max-tokens 128 --repeats "${PEER_REPEATS:-2}" --attn "$attn" \
+        --out "$R/peer_${shape}_${attn//[|]/_}.json"
+    done
+  done
+  return 0
+}
+
+stage_cron_one() {  # a fresh machine's first processes, one job at a time: fp16, TurboQuant, then each again
+  head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
+  local k
+  for k in fp16_1 tq_1 fp16_2 tq_2 tq_3 fp16_3; do
+    step "cron_one_$k" 200 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/cron_one_$k.json" \
+      -- --batch-size 1 $([[ $k == tq* ]] && echo --kv-cache turboquant)
+  done
+  return 0
+}
+
+stage_cron_runs() {  # whole-file processes on random-weight shapes (CRON_SHAPES): 256 jobs x 128 tokens, auto rows
+  jobs256
+  local shape k s
+  for shape in ${CRON_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
+    [[ -d /tmp/shapes/$shape ]] || step "shape_model_$shape" 300 python3 bench/shape_model.py "$shape" \
+      "/tmp/shapes/$shape" || continue
+    for k in ${CRON_KINDS:-fp16_1 fp16_2 tq_1 tq_2}; do  # a shape's first process pays its kernel builds
+      for s in $(sides); do  # with BASELINE, each side in turn (each side's first process pays its own builds)
+        step "cron_${shape}_${s}_$k" 200 $(side "$s") python3 bench/first_line.py /tmp/jobs256.jsonl --runs 1 \
+          --out "$R/cron_${shape}_${s}_$k.json" -- --model "/tmp/shapes/$shape" --max-tokens 128 --batch-size auto \
+          $([[ $k == tq* ]] && echo --kv-cache turboquant)
+      done
     done
   done
   return 0

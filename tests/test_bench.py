@@ -421,3 +421,18 @@ def test_predicted_outputs_bench_runs_both_sides_on_the_same_jobs(tmp_path):
     # CPU it may draft little): tests/test_pld.py checks what predictions save, policy fixed
     assert all(side["forward_passes"] > 0 and side["pld_accepted"] >= 0 for side in (lookup, told))
     assert json.loads(out.read_text())["rounds"] == [row]
+
+
+def test_peer_reads_the_jobs_messages_as_batchgen_does_and_counts_generated_tokens(tmp_path):
+    from types import SimpleNamespace
+
+    from test_cli import SYSTEM
+
+    peer = bench_script("peer_transformers")
+    bad = {"id": "bad", "messages": "not a list"}
+    jobs = write_jobs(tmp_path / "jobs.jsonl", good_jobs(2) + [bad])
+    assert peer.job_messages(jobs, 16) == [
+        ({"role": "system", "content": SYSTEM}, {"role": "user", "content": f"task {i}"}) for i in range(2)
+    ]
+    results = {"a": SimpleNamespace(generated_tokens=[5, 6, 7]), "b": SimpleNamespace(generated_tokens=[])}
+    assert peer.outputs_tokens(results) == [3, 0]
