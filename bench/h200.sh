@@ -57,9 +57,10 @@
 #              jobs x 128 tokens as cron_runs, on the same shapes (PEER_SHAPES; PEER_ATTN, default paged|sdpa):
 #              needs no MLX, so it can run while the MLX parts are still being carried over
 #   cron_one   fresh `batchgen run` processes as cron starts them, run first on a new machine: the first 40 edit
-#              jobs one at a time, fp16 then TurboQuant, each three times (bench/first_line.py)
+#              jobs one at a time (bench/first_line.py), in CRON_ONE's order (default fp16_1 tq_1 fp16_2 tq_2
+#              tq_3 fp16_3: fp16 or TurboQuant processes; `warmup` runs `batchgen warm-up` there)
 #   cron_runs  the same for 256 jobs x 128 tokens, auto rows, on random-weight shapes written to /tmp/shapes
-#              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS, default fp16_1 fp16_2 tq_1 tq_2; with
+#              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS as CRON_ONE, default fp16_1 fp16_2 tq_1 tq_2; with
 #              BASELINE, each side in turn)
 #   grammar_threads  llguidance's mask time a step for 256 and 32 rows, matchers copied from one
 #              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
@@ -200,12 +201,22 @@ stage_peer() {  # needs torch and transformers only (orjson for batchgen's job r
   return 0
 }
 
-stage_cron_one() {  # a fresh machine's first processes, one job at a time: fp16, TurboQuant, then each again
+cron_step() {  # cron_step NAME KIND SIDE JOBS [run options]: KIND fp16_N or tq_N a fresh first_line.py process,
+  local name=$1 kind=$2 s=$3 jobs=$4  # warmup `batchgen warm-up` (with the run's --model, if any)
+  shift 4
+  if [[ $kind == warmup ]]; then
+    step "$name" 300 $(side "$s") python3 -m batchgen warm-up $(printf '%s\n' "$@" | grep -A1 -x -- --model | tr '\n' ' ')
+  else
+    step "$name" 200 $(side "$s") python3 bench/first_line.py "$jobs" --runs 1 --out "$R/$name.json" -- "$@" \
+      $([[ $kind == tq* ]] && echo --kv-cache turboquant)
+  fi
+}
+
+stage_cron_one() {  # a fresh machine's first processes, one job at a time (CRON_ONE: fp16_N, tq_N and warmup in order)
   head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
   local k
-  for k in fp16_1 tq_1 fp16_2 tq_2 tq_3 fp16_3; do
-    step "cron_one_$k" 200 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/cron_one_$k.json" \
-      -- --batch-size 1 $([[ $k == tq* ]] && echo --kv-cache turboquant)
+  for k in ${CRON_ONE:-fp16_1 tq_1 fp16_2 tq_2 tq_3 fp16_3}; do
+    cron_step "cron_one_$k" "$k" new /tmp/edits40.jsonl --batch-size 1
   done
   return 0
 }
@@ -218,9 +229,8 @@ stage_cron_runs() {  # whole-file processes on random-weight shapes (CRON_SHAPES
       "/tmp/shapes/$shape" || continue
     for k in ${CRON_KINDS:-fp16_1 fp16_2 tq_1 tq_2}; do  # a shape's first process pays its kernel builds
       for s in $(sides); do  # with BASELINE, each side in turn (each side's first process pays its own builds)
-        step "cron_${shape}_${s}_$k" 200 $(side "$s") python3 bench/first_line.py /tmp/jobs256.jsonl --runs 1 \
-          --out "$R/cron_${shape}_${s}_$k.json" -- --model "/tmp/shapes/$shape" --max-tokens 128 --batch-size auto \
-          $([[ $k == tq* ]] && echo --kv-cache turboquant)
+        cron_step "cron_${shape}_${s}_$k" "$k" "$s" /tmp/jobs256.jsonl --model "/tmp/shapes/$shape" \
+          --max-tokens 128 --batch-size auto
       done
     done
   done
