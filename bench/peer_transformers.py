@@ -35,9 +35,15 @@ def job_messages(jobs: Path, max_tokens: int) -> list[tuple]:
 
 
 def outputs_tokens(results: dict) -> list[int]:
-    """Generated tokens a request, whatever the result objects are called in this
-    transformers version (they hold `generated_tokens`)."""
-    return [len(getattr(r, "generated_tokens", None) or []) for r in results.values()]
+    """Generated tokens a request (transformers' `GenerationOutput.generated_tokens`);
+    a result without them is an error naming its type, not a count of 0."""
+    counts = []
+    for r in results.values():
+        tokens = getattr(r, "generated_tokens", None)
+        if tokens is None:
+            raise TypeError(f"a generate_batch result without generated_tokens: {type(r).__name__} {r!r:.200}")
+        counts.append(len(tokens))
+    return counts
 
 
 def main() -> None:

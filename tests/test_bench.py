@@ -436,3 +436,5 @@ def test_peer_reads_the_jobs_messages_as_batchgen_does_and_counts_generated_toke
     ]
     results = {"a": SimpleNamespace(generated_tokens=[5, 6, 7]), "b": SimpleNamespace(generated_tokens=[])}
     assert peer.outputs_tokens(results) == [3, 0]
+    with pytest.raises(TypeError, match="without generated_tokens: SimpleNamespace"):
+        peer.outputs_tokens({"a": SimpleNamespace(sequences=[1])})
