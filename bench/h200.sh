@@ -60,8 +60,8 @@
 #              jobs one at a time (bench/first_line.py), in CRON_ONE's order (default fp16_1 tq_1 fp16_2 tq_2
 #              tq_3 fp16_3: fp16 or TurboQuant processes; `warmup` runs `batchgen warm-up` there)
 #   cron_runs  the same for 256 jobs x 128 tokens, auto rows, on random-weight shapes written to /tmp/shapes
-#              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS as CRON_ONE, default fp16_1 fp16_2 tq_1 tq_2; with
-#              BASELINE, each side in turn)
+#              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS as CRON_ONE, default fp16_1 fp16_2 tq_1 tq_2,
+#              and lp_N: the fp16 cache, the jobs asking for logprobs with 5 alternatives; with BASELINE, each side in turn)
 #   grammar_threads  llguidance's mask time a step for 256 and 32 rows, matchers copied from one
 #              kept matcher or from several (bench/grammar_threads.py; host work, no GPU)
 # A/B: BASELINE=DIR (another checkout of batchgen, e.g. .gpu/old) adds it as a side, run
@@ -175,15 +175,17 @@ stage_quantized_runs() {  # a cron user's view: fresh processes, load included a
   return 0
 }
 
-jobs256() {  # /tmp/jobs256.jsonl: the header line, then 256 jobs cycling freeform's
-  python3 - <<'EOF' >/tmp/jobs256.jsonl
+jobs256() {  # /tmp/jobs256.jsonl: the header line, then 256 jobs cycling freeform's; /tmp/jobs256lp.jsonl the
+  python3 - <<'EOF'  # same jobs asking for logprobs with 5 alternatives
 import itertools, json
 lines = open("jobs/freeform.jsonl").read().splitlines()
-print(lines[0])
-for i, line in zip(range(256), itertools.cycle(lines[1:])):
-    job = json.loads(line)
-    job["id"] = f"{job['id']}-{i}"
-    print(json.dumps(job))
+for path, extra in (("/tmp/jobs256.jsonl", {}), ("/tmp/jobs256lp.jsonl", {"logprobs": True, "top_logprobs": 5})):
+    with open(path, "w") as f:
+        print(lines[0], file=f)
+        for i, line in zip(range(256), itertools.cycle(lines[1:])):
+            job = json.loads(line)
+            job["id"] = f"{job['id']}-{i}"
+            print(json.dumps({**job, **extra}), file=f)
 EOF
 }
 
@@ -229,8 +231,8 @@ stage_cron_runs() {  # whole-file processes on random-weight shapes (CRON_SHAPES
       "/tmp/shapes/$shape" || continue
     for k in ${CRON_KINDS:-fp16_1 fp16_2 tq_1 tq_2}; do  # a shape's first process pays its kernel builds
       for s in $(sides); do  # with BASELINE, each side in turn (each side's first process pays its own builds)
-        cron_step "cron_${shape}_${s}_$k" "$k" "$s" /tmp/jobs256.jsonl --model "/tmp/shapes/$shape" \
-          --max-tokens 128 --batch-size auto
+        cron_step "cron_${shape}_${s}_$k" "$k" "$s" "/tmp/jobs256$([[ $k == lp* ]] && echo lp).jsonl" \
+          --model "/tmp/shapes/$shape" --max-tokens 128 --batch-size auto
       done
     done
   done
