@@ -28,6 +28,7 @@ from typing import Iterable, Iterator
 
 import orjson
 
+from .logprob_entries import Content
 from .jobs import CHAT, NATIVE, RESPONSES
 from .stats import Result, Sample
 
@@ -160,9 +161,17 @@ def openai_line(r: Result) -> dict:
     return {**line, "response": response, "error": None}
 
 
+def _json_default(obj):
+    """orjson's hook for what it cannot write itself: logprob entries (`Content`) as
+    the JSON they make, without their dicts."""
+    if isinstance(obj, Content):
+        return orjson.Fragment(obj.json())
+    raise TypeError(f"cannot write {type(obj).__name__} to a result line")
+
+
 def result_line(r: Result) -> bytes:
     obj = native_line(r) if r.format == NATIVE else openai_line(r)
-    return orjson.dumps(obj) + b"\n"
+    return orjson.dumps(obj, default=_json_default) + b"\n"
 
 
 def _line_key(obj) -> str | None:

@@ -19,6 +19,7 @@ RANKS = {
     "batchgen.config": 0,  # contracts: no MLX
     "batchgen.jobs": 0,
     "batchgen.job_fields": 0,
+    "batchgen.logprob_entries": 0,
     "batchgen.output": 0,
     "batchgen.stats": 0,
     "batchgen.turboquant": 9,  # leaves: TurboQuant's maths (codec, reference), kernels, then caches and
@@ -43,7 +44,7 @@ RANKS = {
     "batchgen.__main__": 40,
     "batchgen": 40,
 }
-NO_MLX_ALL = ("batchgen.config", "batchgen.jobs", "batchgen.job_fields", "batchgen.output", "batchgen.stats",
+NO_MLX_ALL = ("batchgen.config", "batchgen.jobs", "batchgen.job_fields", "batchgen.logprob_entries", "batchgen.output", "batchgen.stats",
           "batchgen.cli", "batchgen.progress", "batchgen.shares", "batchgen.ranks", "batchgen.rank_parts")  # fmt: skip
 NO_MLX = [m for m in NO_MLX_ALL if (PACKAGE.parent / (m.replace(".", "/") + ".py")).exists()]
 

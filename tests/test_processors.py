@@ -12,6 +12,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from batchgen.config import LogitsConfig
 from batchgen.decode.grammar import apply_masks
 from batchgen.decode.logprobs import Entries, token_logprobs, top_k
+from batchgen.logprob_entries import TokenPieces
 from batchgen.decode.processors import LogitsState, processed
 
 LOGITS = [[2.0, -1.0, 0.5, 3.0, -2.5, 0.0]]
@@ -132,7 +133,7 @@ def test_top_k_in_slices_equals_a_full_sort():
 
 
 def test_entries_drop_a_closing_eos_and_keep_k_alternatives():
-    class Text:
+    class Text(TokenPieces):
         def __call__(self, t):
             return (chr(ord("a") + t), [ord("a") + t])
 
@@ -150,3 +151,32 @@ def test_bias_past_the_vocabulary_is_named(bias):
 
     with pytest.raises(ValueError, match=str(bias[-1][0])):
         check_bias(LogitsConfig(logit_bias=bias), 4096)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_content_writes_the_entries_a_dict_per_token_would(k):
+    """The line's JSON (`Content.json`, from cached pieces) against entries made as
+    dicts from the same numbers: quotes, non-ASCII text and bytes, k of more
+    alternatives than read back, and no alternatives at all."""
+    import orjson
+
+    texts = {0: ('say "hi"', [115, 97]), 1: ("é", [195, 169]), 2: ("\n", [10]), 3: ("\ufffd", [226])}
+
+    class Text(TokenPieces):
+        def __call__(self, t):
+            return texts[t]
+
+    ids, lps = [1, 0, 3, 2], [-0.25, -1e-07, -12.5, -3.0]
+    tops = [[1, 0, 2, 3], [0, 2, 1, 3], [3, 1, 0, 2], [2, 3, 0, 1]]
+    top_lps = [[-0.25, -2.0, -3.5, -4.0], [-1e-07, -18.0, -19.5, -20.0], [-12.5, -13.0, -14.0, -15.0], [-3.0, -3.5, -4.0, -4.5]]
+    e = Entries(Text(), k)
+    for row in zip(ids, lps, tops, top_lps):
+        e.add(*row)
+    want = [{"token": texts[t][0], "logprob": lp, "bytes": texts[t][1],
+             "top_logprobs": [{"token": texts[a][0], "logprob": v, "bytes": texts[a][1]} for a, v in zip(top[:k], vals[:k])]}
+            for t, lp, top, vals in zip(ids, lps, tops, top_lps)]  # fmt: skip
+    content = e.result(eos={2})
+    assert orjson.loads(content.json()) == want[:3] and len(content) == 3
+    assert orjson.dumps(content, default=lambda c: orjson.Fragment(c.json())) == orjson.dumps(want[:3])
+    assert list(content) == want[:3] and content[1]["token"] == 'say "hi"'
+    assert Entries(Text(), k).result(eos=set()).json() == b"[]"

@@ -7,13 +7,16 @@ verified draft token's logprob comes from the verify pass's row at that
 position, the same distribution a plain step there computes.
 
 `token_logprobs` stays on the device (lazy) and is read back with the tokens;
-`Entries` turns the numbers into `choices[].logprobs.content[]` entries:
-`token`, `logprob`, `bytes`, `top_logprobs` (the k most likely tokens there).
+`Entries` keeps the numbers a sample's tokens read back, and its `Content` is
+`choices[].logprobs.content[]`: `token`, `logprob`, `bytes`, `top_logprobs` (the k
+most likely tokens there).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from ..logprob_entries import Content, TokenPieces
 
 
 def token_logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple:
@@ -66,7 +69,7 @@ def top_k(x: mx.array, k: int, chunk: int = 512) -> tuple:
     return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
-class TokenText:
+class TokenText(TokenPieces):
     """Each token id's bytes and text (cached): byte-level BPE pieces mapped back
     through GPT-2's byte alphabet, SentencePiece's `<0xAB>` and `▁`, else the
     tokenizer's own decoding of the single token."""
@@ -122,21 +125,22 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 class Entries:
-    """A sample's logprob entries, filled token by token as they are read back."""
+    """A sample's logprob numbers, kept token by token as they are read back: a
+    token, its logprob and its alternatives' ids and logprobs, no more (a batch
+    step hands every logprobs row one token; the entries' dicts wait for `Content`)."""
 
-    def __init__(self, text: TokenText, k: int):
+    def __init__(self, text: TokenPieces, k: int):
         self.text, self.k = text, k
-        self.content: list[dict] = []
         self.ids: list[int] = []
+        self.lps: list[float] = []
+        self.top_ids: list = []
+        self.top_lps: list = []
 
     def add(self, token: int, logprob: float, top_ids=None, top_lps=None) -> None:
         self.ids.append(token)
-        s, b = self.text(token)
-        top = []
-        for t, v in zip(top_ids or [], top_lps or []):
-            ts, tb = self.text(t)
-            top.append({"token": ts, "logprob": v, "bytes": tb})
-        self.content.append({"token": s, "logprob": logprob, "bytes": b, "top_logprobs": top[: self.k]})
+        self.lps.append(logprob)
+        self.top_ids.append(top_ids or ())
+        self.top_lps.append(top_lps or ())
 
     def add_rows(self, tokens: list[int], arrays: tuple, rows: int | None = None) -> None:
         """Entries for `tokens` from `token_logprobs` arrays (read back here), row i for token i."""
@@ -148,6 +152,7 @@ class Entries:
         for t, c, i, v in zip(tokens, chosen, ids, vals):
             self.add(t, c, i, v)
 
-    def result(self, eos: set) -> list[dict]:
+    def result(self, eos: set) -> "Content":
         """The entries, less a closing EOS (OpenAI's content ends with the text)."""
-        return self.content[:-1] if self.ids and self.ids[-1] in eos else self.content
+        n = len(self.ids) - (bool(self.ids) and self.ids[-1] in eos)
+        return Content(self.text, self.k, self.ids[:n], self.lps[:n], self.top_ids[:n], self.top_lps[:n])
