@@ -438,3 +438,11 @@ def test_peer_reads_the_jobs_messages_as_batchgen_does_and_counts_generated_toke
     assert peer.outputs_tokens(results) == [3, 0]
     with pytest.raises(TypeError, match="without generated_tokens: SimpleNamespace"):
         peer.outputs_tokens({"a": SimpleNamespace(sequences=[1])})
+
+
+def test_logprob_entries_times_the_steps_and_the_lines(tmp_path):
+    probe = bench_script("logprob_entries")
+    out = probe.main(["--rows", "3", "--steps", "4", "--k", "2", "--repeats", "2", "--out", str(tmp_path / "r.json")])
+    assert (out["rows"], out["steps"], out["k"], len(out["runs"])) == (3, 4, 2, 2)
+    assert all(r["add_ms_a_step"] > 0 and r["lines_ms_a_step"] > 0 for r in out["runs"])
+    assert json.loads((tmp_path / "r.json").read_text())["lines_sha1"] == out["lines_sha1"]
