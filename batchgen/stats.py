@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ class Sample:
     text: str
     finish_reason: str
     completion_tokens: int
-    logprobs: list | None = None  # OpenAI's `logprobs.content` entries, where asked
+    logprobs: Sequence | None = None  # OpenAI's `logprobs.content` entries (`Content`), where asked
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Result:
     error: JobFailure | None = None
     model_name: str | None = None
     token_ids: list | None = None  # generated ids, EOS included (not written out)
-    logprobs: list | None = None  # OpenAI's `logprobs.content` entries, where the job asked
+    logprobs: Sequence | None = None  # OpenAI's `logprobs.content` entries (`Content`), where the job asked
     samples: list | None = None  # a job of n > 1 samples: its `Sample`s (text, finish_reason unset)
     sample: int = 0  # the sample this result is, before a job's samples are merged
 
