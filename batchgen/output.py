@@ -28,8 +28,8 @@ from typing import Iterable, Iterator
 
 import orjson
 
-from .logprob_entries import Content
 from .jobs import CHAT, NATIVE, RESPONSES
+from .logprob_entries import Content
 from .stats import Result, Sample
 
 

@@ -152,7 +152,7 @@ class Entries:
         for t, c, i, v in zip(tokens, chosen, ids, vals):
             self.add(t, c, i, v)
 
-    def result(self, eos: set) -> "Content":
+    def result(self, eos: set) -> Content:
         """The entries, less a closing EOS (OpenAI's content ends with the text)."""
         n = len(self.ids) - (bool(self.ids) and self.ids[-1] in eos)
         return Content(self.text, self.k, self.ids[:n], self.lps[:n], self.top_ids[:n], self.top_lps[:n])
