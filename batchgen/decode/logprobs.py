@@ -70,23 +70,19 @@ def top_k(x: mx.array, k: int, chunk: int = 512) -> tuple:
 
 
 class TokenText(TokenPieces):
-    """Each token id's bytes and text (cached): byte-level BPE pieces mapped back
-    through GPT-2's byte alphabet, SentencePiece's `<0xAB>` and `▁`, else the
-    tokenizer's own decoding of the single token."""
+    """Each token id's bytes and text: byte-level BPE pieces mapped back through
+    GPT-2's byte alphabet, SentencePiece's `<0xAB>` and `▁`, else the tokenizer's own
+    decoding of the single token (`pieces` keeps them, as JSON)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.cache: dict[int, tuple[str, list[int]]] = {}
         self.byte_level = _is_byte_level(tokenizer)
         self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.undo = {c: b for b, c in bytes_to_unicode().items()}
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
-        hit = self.cache.get(token)
-        if hit is None:
-            raw = self._bytes(token)
-            hit = self.cache[token] = (raw.decode("utf-8", errors="replace"), list(raw))
-        return hit
+        raw = self._bytes(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
 
     def _bytes(self, token: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token) if token not in self.special else None
