@@ -22,17 +22,16 @@ class TokenPieces:
     (b'{"token":"b","logprob":', b',"bytes":[98]')
     """
 
+    def __init__(self):
+        self.piece_cache: dict[int, tuple[bytes, bytes]] = {}
+
     def pieces(self, token: int) -> tuple[bytes, bytes]:
-        table = self.piece_table()
-        hit = table.get(token)
+        hit = self.piece_cache.get(token)
         if hit is None:
             text, raw = self(token)
-            hit = table[token] = (b'{"token":' + orjson.dumps(text) + b',"logprob":', b',"bytes":' + orjson.dumps(raw))
+            hit = (b'{"token":' + orjson.dumps(text) + b',"logprob":', b',"bytes":' + orjson.dumps(raw))
+            self.piece_cache[token] = hit
         return hit
-
-    def piece_table(self) -> dict:
-        """The pieces made so far, by token id."""
-        return self.__dict__.setdefault("_pieces", {})
 
 
 class Content(Sequence):
@@ -76,17 +75,17 @@ class Content(Sequence):
         return repr(list(self))
 
     def json(self) -> bytes:
-        k, table, pieces = self.k, self.text.piece_table(), self.text.pieces
+        k, pieces = self.k, self.text.pieces
         if not self.ids:
             return b"[]"
         lps = orjson.dumps(self.lps)[1:-1].split(b",")
         nums = iter(orjson.dumps(list(chain.from_iterable(v[:k] for v in self.top_lps)))[1:-1].split(b",") if k else ())
         entries = []
         for t, lp, alternatives in zip(self.ids, lps, self.top_ids):
-            head, tail = table.get(t) or pieces(t)
+            head, tail = pieces(t)
             top = []
             for a in alternatives[:k]:
-                h, b = table.get(a) or pieces(a)
+                h, b = pieces(a)
                 top.append(h + next(nums) + b + b"}")
             entries.append(head + lp + tail + b',"top_logprobs":[' + b",".join(top) + b"]}")
         return b"[" + b",".join(entries) + b"]"

@@ -7,9 +7,10 @@ peer row beside a whole-file `batchgen run`, on the same model folder and prompt
 --model takes a model folder, or a shape name (`batchgen.config.SHAPES`, e.g. qwen2.5-7b):
 random weights of that config, built on the GPU, with the demo model's tokenizer, as
 `batchgen bench --shape` and `bench/shape_model.py` make them (the seeds differ; a
-random model's speed does not depend on its values). Each job's messages (the file's system prompt included, as batchgen reads them) go
-through the model's chat template with the generation prompt, greedy, `--max-tokens`
-new tokens at most, the tokenizer's end token stopping a job as it stops batchgen's.
+random model's speed does not depend on its values). Each job's messages (the file's
+system prompt included, as batchgen reads them) go through the model's chat template
+with the generation prompt, greedy, `--max-tokens` new tokens at most, the tokenizer's
+end token stopping a job as it stops batchgen's.
 Reports output tok/s over `generate_batch`'s wall time, load left out as batchgen's
 "less load" figures leave it out; the first repeat pays transformers' own warm-up.
 Needs torch and transformers >= 5 (the H200 machine has both), not batchgen's deps.
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from batchgen.config import DEMO_MODEL_DIR, SHAPE_COMMON, SHAPES
-from batchgen.jobs import Job, iter_jobs, scan_jobs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the batchgen of the tree this script is in
+
+from batchgen.config import DEMO_MODEL_DIR, SHAPE_COMMON, SHAPES  # noqa: E402
+from batchgen.jobs import Job, iter_jobs, scan_jobs  # noqa: E402
 
 
 def job_messages(jobs: Path, max_tokens: int) -> list[tuple]:
@@ -75,8 +79,9 @@ def main() -> None:
                                                      attn_implementation=args.attn)  # fmt: skip
     model.eval()
     load_s = time.perf_counter() - t0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     generation = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)  # fmt: skip
+                                  pad_token_id=pad)  # fmt: skip
     runs = []
     for i in range(args.repeats):
         torch.cuda.synchronize()

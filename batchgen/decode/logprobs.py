@@ -75,6 +75,7 @@ class TokenText(TokenPieces):
     decoding of the single token (`pieces` keeps them, as JSON)."""
 
     def __init__(self, tokenizer):
+        super().__init__()
         self.tokenizer = tokenizer
         self.byte_level = _is_byte_level(tokenizer)
         self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
