@@ -175,8 +175,8 @@ stage_quantized_runs() {  # a cron user's view: fresh processes, load included a
   return 0
 }
 
-jobs256() {  # /tmp/jobs256.jsonl: the header line, then 256 jobs cycling freeform's; /tmp/jobs256lp.jsonl the
-  python3 - <<'EOF'  # same jobs asking for logprobs with 5 alternatives
+jobs256() {  # /tmp/jobs256.jsonl: the header line, then 256 jobs cycling freeform's, each of 128 tokens (a job's own
+  python3 - <<'EOF'  # max_tokens outranks --max-tokens; the peer's are 128); /tmp/jobs256lp.jsonl the same asking for logprobs
 import itertools, json
 lines = open("jobs/freeform.jsonl").read().splitlines()
 for path, extra in (("/tmp/jobs256.jsonl", {}), ("/tmp/jobs256lp.jsonl", {"logprobs": True, "top_logprobs": 5})):
@@ -185,7 +185,7 @@ for path, extra in (("/tmp/jobs256.jsonl", {}), ("/tmp/jobs256lp.jsonl", {"logpr
         for i, line in zip(range(256), itertools.cycle(lines[1:])):
             job = json.loads(line)
             job["id"] = f"{job['id']}-{i}"
-            print(json.dumps({**job, **extra}), file=f)
+            print(json.dumps({**job, "max_tokens": 128, **extra}), file=f)
 EOF
 }
 

@@ -39,14 +39,20 @@ def job_messages(jobs: Path, max_tokens: int) -> list[tuple]:
 
 
 def outputs_tokens(results: dict) -> list[int]:
-    """Generated tokens a request (transformers' `GenerationOutput.generated_tokens`);
-    a result without them is an error naming its type, not a count of 0."""
+    """Generated tokens a request (transformers' `GenerationOutput.generated_tokens`).
+    A result without them, a request that failed (its `error`), or a run where no
+    request generated a token is an error, not a count of 0: generate_batch logs a
+    failed step and returns the requests empty."""
     counts = []
     for r in results.values():
         tokens = getattr(r, "generated_tokens", None)
         if tokens is None:
             raise TypeError(f"a generate_batch result without generated_tokens: {type(r).__name__} {r!r:.200}")
+        if getattr(r, "error", None):
+            raise RuntimeError(f"a generate_batch request failed: {r.error!s:.300}")
         counts.append(len(tokens))
+    if counts and not any(counts):
+        raise RuntimeError(f"generate_batch returned {len(counts)} requests and no generated token")
     return counts
 
 
@@ -86,8 +92,9 @@ def main() -> None:
     for i in range(args.repeats):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with torch.inference_mode():
-            results = model.generate_batch(inputs=prompts, generation_config=generation, progress_bar=False)
+        # No torch.inference_mode() here: generate_batch runs its steps on a thread of its own and updates
+        # its static input tensors in place, which tensors made under inference mode refuse.
+        results = model.generate_batch(inputs=prompts, generation_config=generation, progress_bar=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
         n = outputs_tokens(results)

@@ -438,6 +438,10 @@ def test_peer_reads_the_jobs_messages_as_batchgen_does_and_counts_generated_toke
     assert peer.outputs_tokens(results) == [3, 0]
     with pytest.raises(TypeError, match="without generated_tokens: SimpleNamespace"):
         peer.outputs_tokens({"a": SimpleNamespace(sequences=[1])})
+    with pytest.raises(RuntimeError, match="request failed: boom"):
+        peer.outputs_tokens({"a": SimpleNamespace(generated_tokens=[], error="boom")})
+    with pytest.raises(RuntimeError, match="2 requests and no generated token"):
+        peer.outputs_tokens({"a": SimpleNamespace(generated_tokens=[]), "b": SimpleNamespace(generated_tokens=[])})
 
 
 def test_logprob_entries_times_the_steps_and_the_lines(tmp_path):
