@@ -58,7 +58,8 @@
 #              needs no MLX, so it can run while the MLX parts are still being carried over
 #   cron_one   fresh `batchgen run` processes as cron starts them, run first on a new machine: the first 40 edit
 #              jobs one at a time (bench/first_line.py), in CRON_ONE's order (default fp16_1 tq_1 fp16_2 tq_2
-#              tq_3 fp16_3: fp16 or TurboQuant processes; `warmup` runs `batchgen warm-up` there)
+#              tq_3 fp16_3: fp16 or TurboQuant processes; `warmup` runs `batchgen warm-up` there); after each
+#              process its new kept builds (NAME_builds.txt) and how long MLX's and batchgen's took (bench/build_times.py)
 #   cron_runs  the same for 256 jobs x 128 tokens, auto rows, on random-weight shapes written to /tmp/shapes
 #              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS as CRON_ONE, default fp16_1 fp16_2 tq_1 tq_2,
 #              and lp_N: the fp16 cache, the jobs asking for logprobs with 5 alternatives; with BASELINE, each side in turn)
@@ -212,6 +213,13 @@ cron_step() {  # cron_step NAME KIND SIDE JOBS [run options]: KIND fp16_N or tq_
     step "$name" 200 $(side "$s") python3 bench/first_line.py "$jobs" --runs 1 --out "$R/$name.json" -- "$@" \
       $([[ $kind == tq* ]] && echo --kv-cache turboquant)
   fi
+  builds_list "$R/${name}_builds.txt"
+}
+
+builds_list() {  # builds_list FILE: the kept builds so far (write time, bytes, name), oldest first, and how
+  find ~/.cache/batchgen/mlx-kernels -type f -name '*.ptx' -printf '%T@ %s %P\n' 2>/dev/null | sort -n >"$1"
+  python3 bench/build_times.py "$1" ${LAST_BUILDS:-} --json "${1%.txt}.json"  # long the process's new builds took
+  LAST_BUILDS=$1  # MLX's own and batchgen's (custom_kernel_*)
 }
 
 stage_cron_one() {  # a fresh machine's first processes, one job at a time (CRON_ONE: fp16_N, tq_N and warmup in order)

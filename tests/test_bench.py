@@ -444,6 +444,22 @@ def test_peer_reads_the_jobs_messages_as_batchgen_does_and_counts_generated_toke
         peer.outputs_tokens({"a": SimpleNamespace(generated_tokens=[]), "b": SimpleNamespace(generated_tokens=[])})
 
 
+def test_build_times_splits_a_process_new_builds_by_kind(tmp_path):
+    times = bench_script("build_times")
+    before = tmp_path / "before.txt"
+    before.write_text("100.0 10 sm_90/mean_float32.ptx\n")
+    after = tmp_path / "after.txt"  # unsorted, as a listing may come: read_list sorts by write time
+    after.write_text("\n".join(["103.5 30 sm_90/custom_kernel_tq_step_64.ptx", "100.0 10 sm_90/mean_float32.ptx",
+                                 "101.0 20 sm_90/gemv_bfloat16.ptx", "160.0 5 sm_90/softmax_bfloat16.ptx", ""]))
+    out = times.main([str(after), str(before), "--json", str(tmp_path / "t.json")])
+    assert out == {"mlx": {"builds": 2, "seconds": 1.0, "after_other_work": 1},
+                   "batchgen": {"builds": 1, "seconds": 2.5, "after_other_work": 0}, "span_s": 59.0}
+    assert json.loads((tmp_path / "t.json").read_text()) == out
+    # no previous list: every build is new, the first after nothing to time it by
+    first = times.main([str(before)])
+    assert first["mlx"] == {"builds": 1, "seconds": 0.0, "after_other_work": 1}
+
+
 def test_logprob_entries_times_the_steps_and_the_lines(tmp_path):
     probe = bench_script("logprob_entries")
     out = probe.main(["--rows", "3", "--steps", "4", "--k", "2", "--repeats", "2", "--out", str(tmp_path / "r.json")])
