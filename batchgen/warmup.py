@@ -9,7 +9,10 @@ them. A cron schedule's first run pays them at its own time; this
 command pays them ahead of it: a few short jobs through each path a run
 takes (one job at a time with prompt lookup, and batched rows; fp16 and
 TurboQuant caches; prompts of a few lengths, so prompt passes of several
-sizes build). On CUDA the fp16 batched path also runs once as wide as a
+sizes build; and jobs that sample, ask for logprobs, carry penalties or a JSON
+schema, whose token picks run kernels of their own: a run's first logprobs job
+otherwise paid 10 s of builds, bench/RESULTS.md#fresh-processes-as-a-cron-user-runs-them).
+On CUDA the fp16 batched path also runs once as wide as a
 large batch (`attention.wide_rows`: from there the batch attention kernels
 take a block per kv head or fewer warps a block, other builds). Off CUDA there is nothing to keep and
 the command only runs.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from .config import EngineConfig, KVConfig, SamplingConfig
+from .config import EngineConfig, KVConfig, LogitsConfig, SamplingConfig
 from .jobs import CHAT, Job
 
 # Prompt lengths in tokens: a short prompt, a typical one and a long one (each
@@ -28,23 +31,65 @@ from .jobs import CHAT, Job
 # repeated lines give prompt lookup drafts to verify.
 _LENGTHS = (48, 320, 1280)
 _LINE = "    total = total + values[index] * weights[index]\n"
+# What the jobs after the first three ask for, in turn: each picks its tokens through
+# kernels plain greedy rows never run (sampling's sort and draw, log-softmax and top-k,
+# the penalties' counts, a grammar's masks). A schema only where the grammar engine is
+# installed (`warm_up_jobs(schema=...)`).
+SCHEMA = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+_FEATURES = (
+    {"sampling": SamplingConfig(temperature=0.8, top_p=0.95, top_k=40, min_p=0.02, seed=0)},
+    {"logprobs": True, "top_logprobs": 5},
+    {"logits": LogitsConfig(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)},
+    {"sampling": SamplingConfig(temperature=1.0, seed=1), "logprobs": True, "top_logprobs": 20},
+    {"json_schema": SCHEMA},
+)
 
 
-def warm_up_jobs(line_tokens: int, context: int | None, max_tokens: int = 24, batched: int = 8) -> list[Job]:
-    """Jobs of the three prompt lengths (`line_tokens`: the tokens of one
-    repeated line), `batched` of them in all (at least three), each asking to
-    repeat code so that prompt lookup has drafts.
+def warm_up_jobs(line_tokens: int, context: int | None, max_tokens: int = 24, batched: int = 8,
+                 schema: bool = False) -> list[Job]:  # fmt: skip
+    """Greedy jobs of the three prompt lengths (`line_tokens`: the tokens of one
+    repeated line), each asking to repeat code so that prompt lookup has
+    drafts; then a short job for each of `_FEATURES` (the JSON schema's only
+    with `schema`); then greedy jobs again, `batched` jobs in all at least.
 
-    >>> [len(j.messages[0]["content"].splitlines()) for j in warm_up_jobs(12, 1024, batched=4)]
-    [8, 30, 46, 8]
+    >>> jobs = warm_up_jobs(12, 1024, batched=10)
+    >>> [len(j.messages[0]["content"].splitlines()) for j in jobs]
+    [8, 30, 46, 8, 8, 8, 8, 8, 30, 46]
+    >>> [(j.sampling.greedy, j.top_logprobs, j.logits.active) for j in jobs[2:8]]
+    [(True, 0, False), (False, 0, False), (True, 5, False), (True, 0, True), (False, 20, False), (True, 0, False)]
+    >>> [j.json_schema is not None for j in warm_up_jobs(12, 1024, batched=8, schema=True)]
+    [False, False, False, False, False, False, False, True]
     """
+    features = [f for f in _FEATURES if schema or "json_schema" not in f]
+    lengths = list(_LENGTHS) + [min(_LENGTHS)] * len(features)
+    lengths += [_LENGTHS[i % len(_LENGTHS)] for i in range(max(batched - len(lengths), 0))]
     jobs = []
-    for i in range(max(batched, len(_LENGTHS))):
-        length = min(_LENGTHS[i % len(_LENGTHS)], (context or 1 << 30) // 2)
+    for i, length in enumerate(lengths):
+        length = min(length, (context or 1 << 30) // 2)
         code = "def f(values, weights):\n    total = 0\n" + _LINE * max(length // max(line_tokens, 1), 1)
         messages = ({"role": "user", "content": f"Repeat this function exactly:\n\n{code}"},)
-        jobs.append(Job(f"warm-up-{i}", i + 1, CHAT, messages, None, max_tokens, SamplingConfig()))
+        extra = features[i - len(_LENGTHS)] if len(_LENGTHS) <= i < len(_LENGTHS) + len(features) else {}
+        jobs.append(replace(Job(f"warm-up-{i}", i + 1, CHAT, messages, None, max_tokens, SamplingConfig()), **extra))
     return jobs
+
+
+def one_at_a_time(jobs: list[Job]) -> list[Job]:
+    """The jobs a cache's one-job path runs: the three prompt lengths, then the
+    short job of each feature (what they build does not follow the prompt's length).
+
+    >>> [j.id for j in one_at_a_time(warm_up_jobs(12, 1024, batched=10))]
+    ['warm-up-0', 'warm-up-1', 'warm-up-2', 'warm-up-3', 'warm-up-4', 'warm-up-5', 'warm-up-6']
+    """
+    n = len(_LENGTHS)
+    return jobs[:n] + [j for j in jobs[n:] if j.needs_logits]
+
+
+def _grammar_engine() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class WarmupError(Exception):
@@ -85,7 +130,7 @@ def warm_up(config: EngineConfig, kv_kinds: tuple[str, ...] = ("fp16",), batched
         raise WarmupError(str(e)) from None
     report = WarmupReport(config.model, device_name(), str(builds) if builds else None, engine.load_s)
     line_tokens = len(engine.tokenizer.encode(_LINE, add_special_tokens=False))
-    jobs = warm_up_jobs(line_tokens, engine.context_length, max_tokens)
+    jobs = warm_up_jobs(line_tokens, engine.context_length, max_tokens, schema=_grammar_engine())
     resolved = engine.config  # the draft and its ceiling as this device resolved them
     wide = 0
     if builds and batched:  # a large fp16 batch's kernels (grouped heads, fewer warps a block) build apart
@@ -98,8 +143,12 @@ def warm_up(config: EngineConfig, kv_kinds: tuple[str, ...] = ("fp16",), batched
         widths = (1, len(jobs)) + ((wide,) if kind == "fp16" and wide > len(jobs) else ())
         for rows in widths if batched else (1,):
             engine.config = replace(resolved, kv=kv, batch_size=rows)
-            # the wide batch's extra rows are copies of the shortest job: the step's width is what builds
-            subset = jobs[:3] if rows == 1 else jobs + [replace(jobs[0], id=f"warm-up-{i}") for i in range(len(jobs), rows)]
+            # the wide batch's extra rows are copies of the short jobs, each feature among them:
+            # the step's width is what builds
+            alone = one_at_a_time(jobs)
+            short = [jobs[0]] + [j for j in alone if j.needs_logits]
+            subset = alone if rows == 1 else jobs + [
+                replace(short[i % len(short)], id=f"warm-up-{i}") for i in range(len(jobs), rows)]
             start = time.perf_counter()
             for result in engine.run_all(subset, total=len(subset)):
                 if not result.ok:

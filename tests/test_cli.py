@@ -353,7 +353,9 @@ def test_warm_up_also_runs_a_batch_wide_enough_for_the_wide_grid_kernels(model, 
     for wide, widths in [(12, [1, 8, 12]), (8, [1, 8]), (3, [1, 8])]:  # a wide batch of 8 rows or fewer: the 8 rows' run
         monkeypatch.setattr(attention, "WIDE_GRID", wide * heads)
         report = warm_up(EngineConfig(model=model, dtype="float32"), ("fp16", "turboquant"))
-        want = [(kind, w, 3 if w == 1 else w) for kind in ("fp16", "turboquant") for w in widths if kind == "fp16" or w <= 8]
+        # one at a time: the three prompt lengths, then a job sampling, one asking for logprobs,
+        # one with penalties, one sampling with logprobs, one with a JSON schema
+        want = [(kind, w, 8 if w == 1 else w) for kind in ("fp16", "turboquant") for w in widths if kind == "fp16" or w <= 8]
         assert [(kind, rows, jobs) for kind, rows, jobs, _ in report.paths] == want, wide
     assert report.builds_dir == str(tmp_path)
 
@@ -366,11 +368,11 @@ def test_warm_up_runs_each_path_and_says_so_in_one_line(model):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1
     pattern = (rf"batchgen: warm-up: {re.escape(model)} on cpu.*: loaded in \d+\.\d s; "
-               r"fp16 one at a time 3 jobs \d+\.\d s, fp16 8 rows 8 jobs \d+\.\d s; no kernel builds to keep on this device")  # fmt: skip
+               r"fp16 one at a time 8 jobs \d+\.\d s, fp16 8 rows 8 jobs \d+\.\d s; no kernel builds to keep on this device")  # fmt: skip
     assert re.fullmatch(pattern, lines[0]), lines[0]
     r = invoke("warm-up", "--model", model, "--dtype", "float32", "--one-at-a-time")
     assert r.exit_code == 0, r.stderr
-    assert "fp16 one at a time 3 jobs" in r.stderr and "turboquant one at a time 3 jobs" in r.stderr
+    assert "fp16 one at a time 8 jobs" in r.stderr and "turboquant one at a time 8 jobs" in r.stderr
     assert "rows" not in r.stderr
     r = invoke("warm-up", "--model", str(Path(model) / "missing"))
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
