@@ -53,8 +53,10 @@ WIDE_GRID = 2048
 # attention kernel"). One job's step (Hq blocks at most) keeps a block per query head:
 # too few kv heads to fill the GPU. MAX_GROUP: a warp keeps QB / GROUP_WARPS heads' sums
 # in registers; groups of more than 8 (no model measured) would want more warps.
-# GROUP_WARPS: 8 took less time a step than 4 in the step sweep but was not compared with
-# 4 in whole runs, which would decide it.
+# GROUP_WARPS: 8 took less time a step than 4 in the step sweep, but whole fresh-process
+# runs put 4 ahead or level (1.01x at 7B, 1.04x at 0.5B, H100; bench/RESULTS.md "Fresh
+# processes, as a cron user runs them"). A GPU whose step sweep and whole runs both favour
+# 8 would change it.
 GROUPED = True
 MAX_GROUP = 8
 GROUP_WARPS = 4
