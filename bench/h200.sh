@@ -59,7 +59,8 @@
 #   cron_one   fresh `batchgen run` processes as cron starts them, run first on a new machine: the first 40 edit
 #              jobs one at a time (bench/first_line.py), in CRON_ONE's order (default fp16_1 tq_1 fp16_2 tq_2
 #              tq_3 fp16_3: fp16 or TurboQuant processes; `warmup` runs `batchgen warm-up` there); after each
-#              process its new kept builds (NAME_builds.txt) and how long MLX's and batchgen's took (bench/build_times.py)
+#              process its new kept builds (NAME_builds.txt) and how long MLX's and batchgen's took (bench/build_times.py;
+#              LAST_BUILDS=FILE: an earlier call's last listing, which the first process's builds are counted against)
 #   cron_runs  the same for 256 jobs x 128 tokens, auto rows, on random-weight shapes written to /tmp/shapes
 #              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS as CRON_ONE, default fp16_1 fp16_2 tq_1 tq_2,
 #              and lp_N: the fp16 cache, the jobs asking for logprobs with 5 alternatives; with BASELINE, each side in turn)
