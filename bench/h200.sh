@@ -60,7 +60,9 @@
 #              jobs one at a time (bench/first_line.py), in CRON_ONE's order (default fp16_1 tq_1 fp16_2 tq_2
 #              tq_3 fp16_3: fp16 or TurboQuant processes; `warmup` runs `batchgen warm-up` there); after each
 #              process its new kept builds (NAME_builds.txt) and how long MLX's and batchgen's took (bench/build_times.py;
-#              LAST_BUILDS=FILE: an earlier call's last listing, which the first process's builds are counted against)
+#              LAST_BUILDS=FILE: an earlier call's last listing, which the first process's builds are counted against;
+#              CRON_FRESH=1: the kept builds and the driver's compute cache deleted first, as on a fresh machine, so that
+#              e.g. CRON_KINDS="warmup lp_1 fp16_1 tq_1" shows what a warm-up leaves a machine's first runs to build)
 #   cron_runs  the same for 256 jobs x 128 tokens, auto rows, on random-weight shapes written to /tmp/shapes
 #              (CRON_SHAPES, default the 0.5B and 7B shapes; CRON_KINDS as CRON_ONE, default fp16_1 fp16_2 tq_1 tq_2,
 #              and lp_N: the fp16 cache, the jobs asking for logprobs with 5 alternatives; with BASELINE, each side in turn)
@@ -223,7 +225,13 @@ builds_list() {  # builds_list FILE: the kept builds so far (write time, bytes, 
   LAST_BUILDS=$1  # MLX's own and batchgen's (custom_kernel_*)
 }
 
+cron_fresh() {  # CRON_FRESH=1: no kept build, no driver-compiled code: the next process builds as a new machine's
+  [[ ${CRON_FRESH:-0} == 1 ]] && rm -rf ~/.cache/batchgen/mlx-kernels ~/.nv/ComputeCache
+  return 0
+}
+
 stage_cron_one() {  # a fresh machine's first processes, one job at a time (CRON_ONE: fp16_N, tq_N and warmup in order)
+  cron_fresh
   head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
   local k
   for k in ${CRON_ONE:-fp16_1 tq_1 fp16_2 tq_2 tq_3 fp16_3}; do
@@ -233,6 +241,7 @@ stage_cron_one() {  # a fresh machine's first processes, one job at a time (CRON
 }
 
 stage_cron_runs() {  # whole-file processes on random-weight shapes (CRON_SHAPES): 256 jobs x 128 tokens, auto rows
+  cron_fresh
   jobs256
   local shape k s
   for shape in ${CRON_SHAPES:-qwen2.5-0.5b qwen2.5-7b}; do
