@@ -138,15 +138,15 @@ def warm_up(config: EngineConfig, kv_kinds: tuple[str, ...] = ("fp16",), batched
         from .kernels.attention import wide_rows
 
         wide = wide_rows(attention_heads(engine.model))
+    alone = one_at_a_time(jobs)
+    # the wide batch's extra rows are copies of the short jobs, each feature among them: the
+    # step's width is what builds
+    short = [jobs[0]] + [j for j in alone if j.needs_logits]
     for kind in kv_kinds:
         kv = KVConfig(kind=kind, bits=config.kv.bits)
         widths = (1, len(jobs)) + ((wide,) if kind == "fp16" and wide > len(jobs) else ())
         for rows in widths if batched else (1,):
             engine.config = replace(resolved, kv=kv, batch_size=rows)
-            # the wide batch's extra rows are copies of the short jobs, each feature among them:
-            # the step's width is what builds
-            alone = one_at_a_time(jobs)
-            short = [jobs[0]] + [j for j in alone if j.needs_logits]
             subset = alone if rows == 1 else jobs + [
                 replace(short[i % len(short)], id=f"warm-up-{i}") for i in range(len(jobs), rows)]
             start = time.perf_counter()
