@@ -347,13 +347,12 @@ stage_phases() {  # VOCAB=N: the shapes with a trained tokenizer of N tokens (a 
 }
 
 stage_fresh() {
-  local i dir
+  local i
   head -41 jobs/edits.jsonl >/tmp/edits40.jsonl
   for i in 1 2; do
     step "fresh_fl_$i" 150 python3 bench/first_line.py /tmp/edits40.jsonl --runs 1 --out "$R/fresh_fl_$i.json" \
       -- --batch-size 1
-    dir=$(python3 -c "from batchgen.kernels.registry import keep_builds; print(keep_builds())")  # the runs' folder
-    find "$dir" -type f -name '*.ptx' -printf '%T@ %s %P\n' 2>/dev/null | sort -n >"$R/fresh_builds_$i.txt"
+    builds_list "$R/fresh_builds_$i.txt"
     python3 - "$R/fresh_builds_$i.txt" <<'PY'
 import sys
 rows = [line.strip().split(maxsplit=2) for line in open(sys.argv[1]) if line.strip()]
